@@ -1,0 +1,110 @@
+"""``jaxft`` command line: ``launch``, ``coordinator`` (thin: parse, then call)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from jaxft.coordinator import DEFAULT_HEARTBEAT_TIMEOUT, Coordinator, CoordinatorError, serve_forever
+from jaxft.faults import FaultSpecError
+from jaxft.launcher import RESTART_POLICIES, LaunchConfig, LaunchError, Launcher, detect_gpus
+
+
+def _gpus(value: str) -> list[int] | str:
+    if value in ("auto", "all", "none"):
+        return value
+    try:
+        return [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gpus takes auto, all, none or a list like 0,1,2; got {value!r}")
+
+
+def _add_launch(sub) -> None:
+    p = sub.add_parser("launch", help="run N workers under a supervisor with restarts and fault injection",
+                       usage="jaxft launch -n N [options] -- COMMAND ARGS...")
+    p.add_argument("-n", "--num-processes", type=int, default=None,
+                   help="number of worker processes (default: one per GPU, else required)")
+    p.add_argument("--restart", choices=RESTART_POLICIES, default="never",
+                   help="restart a dead worker with the same process id (default: never)")
+    p.add_argument("--max-restarts", type=int, default=10, help="restarts allowed per process")
+    p.add_argument("--fault", action="append", default=[], metavar="SPEC",
+                   help="inject a fault, e.g. kill:process=1:step=5[:phase=after-grad], "
+                        "kill-all:step=13, stop:process=2:step=7, kill:process=0:after=4.5s")
+    p.add_argument("--run-dir", default=None, help="events.jsonl and summary.json go here")
+    p.add_argument("--heartbeat-timeout", type=int, default=DEFAULT_HEARTBEAT_TIMEOUT,
+                   help="seconds without heartbeats before a worker counts as dead")
+    p.add_argument("--collective-timeout", type=int, default=5,
+                   help="seconds before a CPU collective with a dead peer fails")
+    p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
+    p.add_argument("--bind", default="127.0.0.1", help="coordinator bind address (default: loopback)")
+    p.add_argument("--gpus", type=_gpus, default="none",
+                   help="auto|all (one process per local GPU), none (CPU), or ids like 0,1,2")
+    p.add_argument("--grace", type=float, default=5.0, help="SIGTERM -> SIGKILL bound at shutdown, seconds")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command")
+
+
+def _add_coordinator(sub) -> None:
+    p = sub.add_parser("coordinator", help="run only the recoverable coordination service")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--num-processes", type=int, required=True)
+    p.add_argument("--bind", default="127.0.0.1", help="bind address (default: loopback)")
+    p.add_argument("--heartbeat-timeout", type=int, default=DEFAULT_HEARTBEAT_TIMEOUT)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxft", description="Fault-tolerant multi-controller JAX.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _add_launch(sub)
+    _add_coordinator(sub)
+    return parser
+
+
+def _launch(args, parser) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    gpus = args.gpus
+    if gpus in ("auto", "all"):
+        found = detect_gpus()
+        if gpus == "all" and not found:
+            parser.error("--gpus all: no NVIDIA GPU found (nvidia-smi -L lists none)")
+        gpus = found or None
+    elif gpus == "none":
+        gpus = None
+    n = args.num_processes
+    if n is None:
+        if gpus is None:
+            parser.error("-n is required on a machine without GPUs")
+        n = len(gpus)
+    elif gpus is not None and len(gpus) > n:
+        gpus = gpus[:n]
+    config = LaunchConfig(num_processes=n, command=command, restart=args.restart,
+                          max_restarts=args.max_restarts, faults=args.fault, run_dir=args.run_dir,
+                          heartbeat_timeout=args.heartbeat_timeout,
+                          collective_timeout=args.collective_timeout, port=args.port, bind=args.bind,
+                          gpus=gpus, grace_s=args.grace)
+    return Launcher(config).run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "launch":
+            return _launch(args, parser)
+        if args.cmd == "coordinator":
+            coord = Coordinator(args.num_processes, port=args.port, bind=args.bind,
+                                heartbeat_timeout=args.heartbeat_timeout)
+            print(f"jaxft coordinator listening on {coord.address} for {args.num_processes} processes",
+                  flush=True)
+            serve_forever(coord)
+            return 0
+    except (LaunchError, FaultSpecError, CoordinatorError) as e:
+        print(f"jaxft {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""Names of the environment variables the launcher hands to each worker.
+
+One place for the contract between :mod:`jaxft.launcher` (writer) and
+:mod:`jaxft.runtime`, :mod:`jaxft.faults`, :mod:`jaxft.events` (readers).
+"""
+
+COORDINATOR = "JAXFT_COORDINATOR_ADDRESS"  # host:port of the coordination service
+EXTERNAL_COORDINATOR = "JAXFT_EXTERNAL_COORDINATOR"  # "1": no worker hosts the service
+PROCESS_ID = "JAXFT_PROCESS_ID"
+NUM_PROCESSES = "JAXFT_NUM_PROCESSES"
+LOCAL_DEVICE_IDS = "JAXFT_LOCAL_DEVICE_IDS"  # comma separated, e.g. "0" or "2,3"
+HEARTBEAT_TIMEOUT = "JAXFT_HEARTBEAT_TIMEOUT"  # seconds
+COLLECTIVE_TIMEOUT = "JAXFT_COLLECTIVE_TIMEOUT"  # seconds, CPU collectives
+INCARNATION = "JAXFT_INCARNATION"  # 0 for the first start, +1 per restart
+RUN_DIR = "JAXFT_RUN_DIR"
+FAULTS = "JAXFT_FAULTS"  # ";"-separated fault specs (see jaxft.faults)
+FAULT_STATE_DIR = "JAXFT_FAULT_STATE_DIR"  # where "rule fired" markers live
+
+
+def get_int(environ, name: str) -> int | None:
+    """``int(environ[name])`` or None when unset; a clear error when malformed."""
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None

@@ -1,0 +1,70 @@
+"""The run's JSON-lines event log (``RUN_DIR/events.jsonl``).
+
+Every worker and the launcher append to the same file. Each event is written with a
+single ``write`` on an ``O_APPEND`` descriptor under an exclusive ``flock``, so lines
+from several processes never interleave.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from typing import Any, Iterator
+
+EVENTS_FILE = "events.jsonl"
+
+
+class EventLog:
+    """Appends events to ``run_dir/events.jsonl``; a no-op when ``run_dir`` is None."""
+
+    def __init__(self, run_dir: str | os.PathLike | None, process: int | str, incarnation: int = 0):
+        self.path = None if run_dir is None else os.path.join(os.fspath(run_dir), EVENTS_FILE)
+        self.process = process
+        self.incarnation = incarnation
+        if self.path is not None:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+
+    def log(self, event: str, **fields: Any) -> dict:
+        """Write one event; returns the record (also when logging is off)."""
+        record = {"time": time.time(), "event": event, "process": self.process,
+                  "incarnation": self.incarnation}
+        record.update(fields)  # the launcher logs on behalf of a worker: process=...
+        if self.path is not None:
+            line = (json.dumps(record, default=_to_json) + "\n").encode()
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                os.write(fd, line)
+            finally:
+                os.close(fd)  # closing releases the lock
+        return record
+
+
+def _to_json(value: Any) -> Any:
+    if hasattr(value, "tolist"):  # numpy / jax scalars and arrays
+        return value.tolist()
+    if isinstance(value, (set, frozenset, tuple)):
+        return sorted(value) if isinstance(value, (set, frozenset)) else list(value)
+    return str(value)
+
+
+def read_events(run_dir: str | os.PathLike) -> list[dict]:
+    """All events of a run, in file order. A torn last line (writer killed) is skipped."""
+    return list(iter_events(run_dir))
+
+
+def iter_events(run_dir: str | os.PathLike) -> Iterator[dict]:
+    path = os.path.join(os.fspath(run_dir), EVENTS_FILE)
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue

@@ -1,0 +1,156 @@
+"""Deterministic fault injection: kill or hang a worker at a known step and phase.
+
+A fault spec is ``ACTION:key=value:...``:
+
+* ``kill:process=1:step=5`` -- worker 1 SIGKILLs itself when it reaches step 5 at the
+  default phase (``after-grad``: gradients computed, nothing committed yet).
+* ``kill:process=1:step=5:phase=before-step`` -- choose the phase; see :data:`PHASES`.
+* ``kill-all:step=13`` -- every worker that reaches step 13 at that phase dies.
+* ``stop:process=2:step=7`` -- SIGSTOP: the worker stays alive but hangs.
+* ``kill:process=0:after=4.5s`` -- launcher side: SIGKILL worker 0 4.5 s after launch.
+
+Every rule fires once per run, also across restarts: a marker file per (rule, process)
+in a state directory the launcher shares with its workers records that it fired.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+from typing import Callable, Sequence
+
+from jaxft import envvars
+
+ACTIONS = ("kill", "kill-all", "stop")
+PHASES = ("before-step", "after-grad", "after-commit", "during-save")
+DEFAULT_PHASE = "after-grad"
+
+
+class FaultSpecError(ValueError):
+    """A fault spec that cannot be parsed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultRule:
+    """One fault: ``action`` on ``process`` at ``step``/``phase`` or ``after`` seconds."""
+
+    action: str
+    process: int | None = None
+    step: int | None = None
+    phase: str = DEFAULT_PHASE
+    after: float | None = None
+    index: int = 0  # position in the rule list; part of the rule's identity
+
+    @property
+    def launcher_side(self) -> bool:
+        return self.after is not None
+
+    @property
+    def spec(self) -> str:
+        parts = [self.action]
+        if self.process is not None:
+            parts.append(f"process={self.process}")
+        if self.step is not None:
+            parts += [f"step={self.step}", f"phase={self.phase}"]
+        if self.after is not None:
+            parts.append(f"after={self.after:g}s")
+        return ":".join(parts)
+
+    def marker(self, process: int) -> str:
+        return f"rule{self.index}-p{process}-" + self.spec.replace(":", "_").replace("=", "-")
+
+
+def parse_rule(text: str, index: int = 0) -> FaultRule:
+    """Parse one spec such as ``kill:process=1:step=5:phase=after-grad``."""
+    action, *pairs = text.strip().split(":")
+    if action not in ACTIONS:
+        raise FaultSpecError(f"fault {text!r}: unknown action {action!r}; expected one of {ACTIONS}")
+    fields: dict = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not value:
+            raise FaultSpecError(f"fault {text!r}: expected key=value, got {pair!r}")
+        try:
+            if key == "process":
+                fields["process"] = int(value)
+            elif key == "step":
+                fields["step"] = int(value)
+            elif key == "phase":
+                if value not in PHASES:
+                    raise FaultSpecError(f"fault {text!r}: unknown phase {value!r}; expected one of {PHASES}")
+                fields["phase"] = value
+            elif key == "after":
+                fields["after"] = float(value.removesuffix("s"))
+            else:
+                raise FaultSpecError(f"fault {text!r}: unknown key {key!r} (process, step, phase, after)")
+        except ValueError as e:
+            if isinstance(e, FaultSpecError):
+                raise
+            raise FaultSpecError(f"fault {text!r}: bad value for {key}: {value!r}") from None
+    rule = FaultRule(action=action, index=index, **fields)
+    if (rule.step is None) == (rule.after is None):
+        raise FaultSpecError(f"fault {text!r}: give exactly one trigger, step=K or after=Ts")
+    if rule.step is not None and rule.step < 0 or rule.after is not None and rule.after < 0:
+        raise FaultSpecError(f"fault {text!r}: triggers must be non-negative")
+    if action == "kill-all":
+        if rule.process is not None:
+            raise FaultSpecError(f"fault {text!r}: kill-all takes no process")
+    elif rule.process is None:
+        raise FaultSpecError(f"fault {text!r}: {action} needs process=N")
+    if rule.launcher_side and action == "kill-all":
+        raise FaultSpecError(f"fault {text!r}: kill-all is step-triggered only")
+    return rule
+
+
+def parse_rules(specs: Sequence[str] | str | None) -> list[FaultRule]:
+    """Parse a list of specs, or one ``;``-joined string (the launcher's env form)."""
+    if specs is None:
+        return []
+    if isinstance(specs, str):
+        specs = [s for s in specs.split(";") if s.strip()]
+    return [parse_rule(s, i) for i, s in enumerate(specs)]
+
+
+def claim(state_dir: str | None, rule: FaultRule, process: int) -> bool:
+    """Atomically mark ``rule`` as fired for ``process``; False if it already fired."""
+    if state_dir is None:
+        return True
+    os.makedirs(state_dir, exist_ok=True)
+    try:
+        fd = os.open(os.path.join(state_dir, rule.marker(process)), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
+class FaultInjector:
+    """The worker-side half: call :meth:`point` at each phase of each step."""
+
+    def __init__(self, rules: Sequence[FaultRule], process_id: int, state_dir: str | None = None,
+                 on_fire: Callable[[FaultRule, int], None] | None = None):
+        self.rules = [r for r in rules if not r.launcher_side and r.process in (None, process_id)]
+        self.process_id = process_id
+        self.state_dir = state_dir
+        self.on_fire = on_fire
+
+    @classmethod
+    def from_env(cls, process_id: int, on_fire: Callable[[FaultRule, int], None] | None = None,
+                 environ=os.environ) -> "FaultInjector":
+        return cls(parse_rules(environ.get(envvars.FAULTS)), process_id,
+                   environ.get(envvars.FAULT_STATE_DIR), on_fire)
+
+    def point(self, phase: str, step: int) -> None:
+        """Fire every rule that matches ``(phase, step)`` and has not fired yet."""
+        if phase not in PHASES:
+            raise ValueError(f"unknown fault phase {phase!r}; expected one of {PHASES}")
+        for rule in self.rules:
+            if rule.step == step and rule.phase == phase and claim(self.state_dir, rule, self.process_id):
+                if self.on_fire is not None:
+                    self.on_fire(rule, step)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                sig = signal.SIGSTOP if rule.action == "stop" else signal.SIGKILL
+                os.kill(os.getpid(), sig)

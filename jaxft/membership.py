@@ -1,0 +1,267 @@
+"""The agreed live set and the atomic step, built on ``live_devices``.
+
+``jax.experimental.multihost_utils.live_devices`` gives every live process the same set
+of devices and makes its block commit everywhere or fail everywhere. :class:`ElasticGroup`
+wraps it so users never meet its rough edges:
+
+* members are reported per process (ids and coordination-service incarnations), with a
+  generation number and who joined or left since the previous step;
+* on CPU, when the set gains a member, the gloo data plane is rebuilt (stale rendezvous
+  keys deleted, barrier, fresh backend) before the step body runs, so a restarted
+  process can take part again (see ``shared/notes`` in the repo history for the traps);
+* after such a rebuild the remembered device map is re-keyed to the new device objects,
+  so the next step does not fail spuriously;
+* a failed step surfaces as :class:`StepFailed` naming the failed processes; any other
+  exception propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import os
+import sys
+import threading
+import time
+from typing import Callable, Iterator, Mapping, Sequence
+
+import jax
+from jax.experimental import multihost_utils
+from jax.extend import backend as jax_backend
+from jax.sharding import Mesh
+
+from jaxft.runtime import distributed_client
+
+FINISHED_KEY = "jaxft/finished"
+# Keys the CPU backend writes once per (incarnation, device list); stale after a restart.
+GLOO_KEY_PREFIX = "cpu:gloo"
+GLOBAL_TOPOLOGY_KEY = "cpu:global_topology/cpu"
+RESET_BARRIER_TIMEOUT_MS = 60_000
+EXIT_BARRIER_TIMEOUT = 75  # exit code of a process that gave up waiting at a barrier
+
+
+class StepFailed(RuntimeError):
+    """A step failed on every member because processes died or restarted during it."""
+
+    def __init__(self, failed: Sequence[int], cause: BaseException | None):
+        self.failed = tuple(sorted(set(failed)))
+        self.cause = cause
+        why = f"{type(cause).__name__}: {str(cause).splitlines()[0][:200]}" if cause else "membership changed"
+        super().__init__(f"step failed; processes {list(self.failed)} failed ({why})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Members:
+    """The agreed live set for one step."""
+
+    devices: tuple[jax.Device, ...]  # sorted by device id
+    mesh: Mesh  # 1-D mesh over ``devices`` with axis ``axis_name``
+    process_ids: tuple[int, ...]
+    incarnations: Mapping[int, int]  # process id -> coordination-service incarnation
+    generation: int  # changes whenever the member map changes
+    joined: tuple[int, ...]  # process ids new (or with a new incarnation) since last step
+    left: tuple[int, ...]
+    reset: bool  # the data plane was rebuilt at the start of this step
+
+    @property
+    def size(self) -> int:
+        return len(self.devices)
+
+
+def _member_map(device_map: Mapping[jax.Device, int]) -> dict[int, int]:
+    return {d.process_index: int(inc) for d, inc in device_map.items()}
+
+
+def _map_digest(member_map: Mapping[int, int]) -> str:
+    text = ",".join(f"{p}:{i}" for p, i in sorted(member_map.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class ElasticGroup:
+    """Runs atomic steps over whichever processes are alive.
+
+    Usage::
+
+        group = ElasticGroup()
+        try:
+            with group.step() as members:
+                ...  # all work of the step, ending in jax.block_until_ready
+        except StepFailed as e:
+            ...  # nothing was committed anywhere; retry on the survivors
+    """
+
+    def __init__(self, axis_name: str = "data", barrier_timeout_s: float = 600.0, poll_s: float = 0.5):
+        self.axis_name = axis_name
+        self.barrier_timeout_s = barrier_timeout_s
+        self.poll_s = poll_s
+        self.process_id = jax.process_index()
+        self.platform = jax.devices()[0].platform
+        self.generation = 0
+        self._previous: dict[int, int] | None = None  # member map of the previous step
+        self._synced: dict[int, int] | None = None  # member map the data plane was built for
+        self._reset_attempts: dict[str, int] = {}
+        self._meshes: dict[tuple[int, ...], Mesh] = {}
+        self._pre_reset: list[Callable[[], None]] = []
+        self._post_reset: list[Callable[[], None]] = []
+
+    # -- hooks ------------------------------------------------------------------------
+    def on_reset(self, before: Callable[[], None] | None = None,
+                 after: Callable[[], None] | None = None) -> None:
+        """Register callbacks around a data-plane rebuild (arrays die with the backend:
+        move them to host in ``before``, rebuild them in ``after``)."""
+        if before is not None:
+            self._pre_reset.append(before)
+        if after is not None:
+            self._post_reset.append(after)
+
+    @property
+    def needs_data_plane_reset(self) -> bool:
+        """CPU (gloo) caches communicators per device list without incarnations."""
+        return self.platform == "cpu"
+
+    def mesh(self, devices: Sequence[jax.Device]) -> Mesh:
+        """A cached 1-D mesh over ``devices``."""
+        key = tuple(d.id for d in devices)
+        mesh = self._meshes.get(key)
+        if mesh is None:
+            mesh = Mesh(list(devices), (self.axis_name,))
+            self._meshes[key] = mesh
+        return mesh
+
+    # -- the step ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self) -> Iterator[Members]:
+        """Enter one atomic step; raises :class:`StepFailed` if a member died during it.
+
+        The barriers at entry and exit are watched: if the peers finished the run
+        (:meth:`finish`) while this process waits for them, it exits 0; if a barrier
+        outlasts ``barrier_timeout_s``, it exits with :data:`EXIT_BARRIER_TIMEOUT`
+        rather than hang forever (``live_devices`` has no timeout of its own).
+        """
+        cm = multihost_utils.live_devices(jax.devices())
+        try:
+            with self._watch("entering a step"):
+                devices = cm.__enter__()
+            try:
+                members = self._enter(devices)
+                yield members
+            except BaseException as e:
+                with self._watch("leaving a failed step"):
+                    if not cm.__exit__(type(e), e, e.__traceback__):
+                        raise
+            else:
+                with self._watch("leaving a step"):
+                    cm.__exit__(None, None, None)
+        except multihost_utils.ProcessFailureError as e:
+            raise StepFailed({d.process_index for d in e.failed_devices}, e.__cause__) from e
+        finally:
+            self._rekey_live_devices()
+
+    # -- bounded waiting --------------------------------------------------------------
+    def finish(self) -> None:
+        """Tell late joiners the run is over, so none waits for peers that are gone."""
+        distributed_client().key_value_set(FINISHED_KEY, "1", allow_overwrite=True)
+
+    def run_finished(self) -> bool:
+        try:
+            return distributed_client().key_value_try_get(FINISHED_KEY) is not None
+        except Exception:  # NOT_FOUND is raised, not returned
+            return False
+
+    @contextlib.contextmanager
+    def _watch(self, what: str) -> Iterator[None]:
+        done = threading.Event()
+
+        def watchdog() -> None:
+            t0 = time.monotonic()
+            while not done.wait(self.poll_s):
+                if self.run_finished():
+                    _hard_exit(0, f"jaxft: peers finished the run while process {self.process_id} "
+                                  f"was {what}; exiting 0")
+                if time.monotonic() - t0 > self.barrier_timeout_s:
+                    _hard_exit(EXIT_BARRIER_TIMEOUT,
+                               f"jaxft: process {self.process_id} waited {self.barrier_timeout_s:.0f} s "
+                               f"while {what} (a peer is alive but stuck?); exiting")
+
+        thread = threading.Thread(target=watchdog, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+
+    def _enter(self, devices: Sequence[jax.Device]) -> Members:
+        live_map = multihost_utils.live_devices.devices
+        current = _member_map({d: live_map[d] for d in devices})
+        previous = self._previous
+        joined = tuple(sorted(p for p, i in current.items() if previous is not None and previous.get(p) != i))
+        left = tuple(sorted(p for p in (previous or {}) if p not in current))
+        if previous != current:
+            self.generation += 1
+        reset = self.needs_data_plane_reset and self._must_reset(current)
+        if reset:
+            self._reset_data_plane(current)
+            devices = [d for d in jax.devices() if d.process_index in current]
+        elif self._synced is None:
+            self._synced = dict(current)
+        self._previous = dict(current)
+        devices = tuple(sorted(devices, key=lambda d: d.id))
+        return Members(devices=devices, mesh=self.mesh(devices),
+                       process_ids=tuple(sorted(current)), incarnations=current,
+                       generation=self.generation, joined=joined, left=left, reset=reset)
+
+    def _must_reset(self, current: Mapping[int, int]) -> bool:
+        """Rebuild when any member is new to the data plane we built.
+
+        A fresh process has built nothing, so it always rebuilds in its first step; every
+        other member sees that process's new incarnation and rebuilds with it. The
+        decision needs only the agreed member map: no extra round trip, no race.
+        """
+        if self._synced is None:
+            return True
+        return any(self._synced.get(p) != i for p, i in current.items())
+
+    def _reset_data_plane(self, current: Mapping[int, int]) -> None:
+        """Agree, clear stale rendezvous keys, barrier, rebuild the CPU backend."""
+        client = distributed_client()
+        digest = _map_digest(current)
+        attempt = self._reset_attempts.get(digest, 0)
+        self._reset_attempts[digest] = attempt + 1
+        members = sorted(current)
+        if self.process_id == members[0]:
+            _delete(client, GLOO_KEY_PREFIX)
+            if 0 in current:  # process 0 rewrites the global topology when it rebuilds
+                _delete(client, GLOBAL_TOPOLOGY_KEY)
+        client.wait_at_barrier(f"jaxft_reset_{digest}_{attempt}", RESET_BARRIER_TIMEOUT_MS, members)
+        for hook in self._pre_reset:
+            hook()
+        self._meshes.clear()
+        jax_backend.clear_backends()
+        jax.devices()  # rebuild now, inside the step
+        for hook in self._post_reset:
+            hook()
+        self._synced = dict(current)
+
+    def _rekey_live_devices(self) -> None:
+        """Point live_devices' remembered map at the current backend's device objects."""
+        live = multihost_utils.live_devices
+        if not live.devices:
+            return
+        by_id = {d.id: d for d in jax.devices()}
+        if all(by_id.get(d.id) is d for d in live.devices):
+            return
+        live.devices = {by_id[d.id]: inc for d, inc in live.devices.items() if d.id in by_id}
+
+
+def _hard_exit(code: int, message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _delete(client, key: str) -> None:
+    try:
+        client.key_value_delete(key)
+    except Exception:
+        pass

@@ -1,0 +1,260 @@
+"""``jaxft.initialize``: multi-controller JAX set up to survive process failures."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shlex
+from typing import Iterator, Sequence
+
+from jaxft import envvars
+from jaxft.events import EventLog
+from jaxft.faults import FaultInjector, FaultRule
+
+DEFAULT_HEARTBEAT_TIMEOUT = 3
+DEFAULT_COLLECTIVE_TIMEOUT = 5
+DEFAULT_INITIALIZATION_TIMEOUT = 60
+
+# From the JAX fault-tolerance guide: NCCL errors must not terminate the process, and
+# collectives must be abortable when a participant dies (GPU only; ignored on CPU).
+GPU_XLA_FLAGS = {
+    "xla_gpu_nccl_terminate_on_error": "false",
+    "xla_gpu_nccl_async_execution": "true",
+    "xla_gpu_nccl_blocking_communicators": "false",
+}
+GPU_ENV = {
+    "XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE": "1",
+    "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1",
+}
+CPU_COLLECTIVE_TIMEOUT_FLAG = "xla_cpu_collective_timeout_seconds"
+
+
+class InitializeError(RuntimeError):
+    """``jaxft.initialize`` was called wrongly or could not connect."""
+
+
+@dataclasses.dataclass
+class Runtime:
+    """What a worker knows about itself after :func:`initialize`."""
+
+    process_id: int
+    num_processes: int
+    incarnation: int
+    coordinator_address: str
+    external_coordinator: bool
+    heartbeat_timeout: int
+    collective_timeout: int
+    run_dir: str | None
+    events: EventLog
+    faults: FaultInjector
+
+
+def merge_xla_flags(existing: str, wanted: dict[str, str]) -> str:
+    """Add ``--name=value`` for each wanted flag the user has not set already.
+
+    The user's own settings win: a flag already present in ``existing`` is kept as is.
+    """
+    tokens = shlex.split(existing or "")
+    present = {t.lstrip("-").split("=", 1)[0] for t in tokens if t.startswith("--")}
+    tokens += [f"--{k}={v}" for k, v in wanted.items() if k not in present]
+    return " ".join(tokens)
+
+
+def configure_environment(collective_timeout: int, environ=os.environ) -> None:
+    """Set XLA flags and env vars for recoverable collectives (before the backend starts)."""
+    wanted = dict(GPU_XLA_FLAGS)
+    wanted[CPU_COLLECTIVE_TIMEOUT_FLAG] = str(int(collective_timeout))
+    environ["XLA_FLAGS"] = merge_xla_flags(environ.get("XLA_FLAGS", ""), wanted)
+    for key, value in GPU_ENV.items():
+        environ.setdefault(key, value)
+
+
+def backend_started() -> bool:
+    from jax._src import xla_bridge
+
+    return bool(xla_bridge.backends_are_initialized())
+
+
+@contextlib.contextmanager
+def _no_service_start() -> Iterator[None]:
+    """Stop ``jax.distributed.initialize`` from starting a service in process 0.
+
+    jax starts the coordination service inside process 0 unconditionally; with an
+    external coordinator that second service would be wrong (and process 0 would become
+    special again). We swap the factory jax's distributed module calls for a stub.
+    """
+    from jax._src import distributed
+
+    real = distributed._jax
+
+    class _NoService:
+        def shutdown(self) -> None:
+            pass
+
+    class _Proxy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def get_distributed_runtime_service(*args, **kwargs):
+            return _NoService()
+
+    distributed._jax = _Proxy()
+    try:
+        yield
+    finally:
+        distributed._jax = real
+        if isinstance(distributed.global_state.service, _NoService):
+            distributed.global_state.service = None
+
+
+def _resolve(value, env_name: str, environ, parse=int):
+    if value is not None:
+        return value
+    raw = environ.get(env_name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return parse(raw)
+    except ValueError:
+        raise InitializeError(f"environment variable {env_name}={raw!r} is malformed") from None
+
+
+def _parse_ids(raw: str) -> list[int]:
+    return [int(x) for x in raw.split(",") if x.strip()]
+
+
+def initialize(coordinator_address: str | None = None,
+               num_processes: int | None = None,
+               process_id: int | None = None,
+               local_device_ids: Sequence[int] | None = None,
+               *,
+               external_coordinator: bool | None = None,
+               heartbeat_timeout: int | None = None,
+               collective_timeout: int | None = None,
+               initialization_timeout: int = DEFAULT_INITIALIZATION_TIMEOUT,
+               run_dir: str | None = None,
+               environ=os.environ) -> Runtime:
+    """Initialize multi-controller JAX so that processes can fail and come back.
+
+    Wraps ``jax.distributed.initialize``: turns on ``jax_enable_recoverability``, merges
+    the GPU NCCL-abort flags and the CPU collective timeout into ``XLA_FLAGS`` (flags the
+    user already set win), sets the GPU abort env vars, and connects to the coordination
+    service with a short heartbeat so dead peers are noticed in seconds.
+
+    Arguments left as None are read from the environment ``jaxft launch`` sets
+    (``JAXFT_COORDINATOR_ADDRESS``, ``JAXFT_PROCESS_ID``, ...).
+
+    With ``external_coordinator=True`` (what ``jaxft launch`` and ``jaxft coordinator``
+    provide) no worker starts the service, so any worker, process 0 included, can die
+    without taking the others with it. With ``external_coordinator=False`` it behaves
+    like plain ``jax.distributed.initialize``: process 0 hosts the service, and its death
+    ends the job.
+
+    Must be called before anything starts a JAX backend (``jax.devices()``, any
+    computation): XLA reads its flags only once.
+
+    Returns:
+      A :class:`Runtime` with this worker's identity, event log and fault injector.
+    """
+    import jax
+
+    if backend_started():
+        raise InitializeError(
+            "jaxft.initialize() must run before JAX starts its backend, but a backend is "
+            "already up (something called jax.devices() or ran a computation first). "
+            "Call jaxft.initialize() at the top of your program, before any other JAX use.")
+    from jax._src import distributed
+
+    if distributed.global_state.client is not None:
+        raise InitializeError("jax.distributed is already initialized; call jaxft.initialize() once, "
+                              "instead of jax.distributed.initialize().")
+
+    coordinator_address = _resolve(coordinator_address, envvars.COORDINATOR, environ, str)
+    num_processes = _resolve(num_processes, envvars.NUM_PROCESSES, environ)
+    process_id = _resolve(process_id, envvars.PROCESS_ID, environ)
+    local_device_ids = _resolve(local_device_ids, envvars.LOCAL_DEVICE_IDS, environ, _parse_ids)
+    heartbeat_timeout = _resolve(heartbeat_timeout, envvars.HEARTBEAT_TIMEOUT, environ) or DEFAULT_HEARTBEAT_TIMEOUT
+    collective_timeout = (_resolve(collective_timeout, envvars.COLLECTIVE_TIMEOUT, environ)
+                          or DEFAULT_COLLECTIVE_TIMEOUT)
+    if external_coordinator is None:
+        external_coordinator = environ.get(envvars.EXTERNAL_COORDINATOR, "0") == "1"
+    run_dir = run_dir or environ.get(envvars.RUN_DIR) or None
+    incarnation = _resolve(None, envvars.INCARNATION, environ) or 0
+
+    if coordinator_address is None or num_processes is None or process_id is None:
+        raise InitializeError(
+            "jaxft.initialize needs coordinator_address, num_processes and process_id, as "
+            "arguments or from the environment jaxft launch sets (missing: "
+            + ", ".join(n for n, v in [("coordinator_address", coordinator_address),
+                                      ("num_processes", num_processes),
+                                      ("process_id", process_id)] if v is None) + ")")
+    if num_processes < 1:
+        raise InitializeError(f"num_processes must be >= 1, got {num_processes}")
+    if not 0 <= process_id < num_processes:
+        raise InitializeError(f"process_id must be in [0, {num_processes}), got {process_id}")
+    if heartbeat_timeout < 1 or collective_timeout < 1:
+        raise InitializeError("heartbeat_timeout and collective_timeout must be >= 1 second")
+
+    configure_environment(collective_timeout, environ)
+    jax.config.update("jax_enable_recoverability", True)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+    kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
+                  process_id=process_id, heartbeat_timeout_seconds=int(heartbeat_timeout),
+                  initialization_timeout=int(initialization_timeout))
+    if local_device_ids is not None:
+        kwargs["local_device_ids"] = list(local_device_ids)
+    guard = _no_service_start() if external_coordinator else contextlib.nullcontext()
+    try:
+        with guard:
+            jax.distributed.initialize(**kwargs)
+    except Exception as e:  # jaxlib raises XlaRuntimeError / ValueError with terse texts
+        raise InitializeError(
+            f"could not connect process {process_id} to the coordination service at "
+            f"{coordinator_address} within {initialization_timeout} s: {e}") from e
+
+    if external_coordinator:
+        _clear_stale_topology(process_id)
+    events = EventLog(run_dir, process_id, incarnation)
+    faults = FaultInjector.from_env(process_id, on_fire=_fault_logger(events), environ=environ)
+    return Runtime(process_id=process_id, num_processes=num_processes, incarnation=incarnation,
+                   coordinator_address=coordinator_address,
+                   external_coordinator=bool(external_coordinator),
+                   heartbeat_timeout=int(heartbeat_timeout),
+                   collective_timeout=int(collective_timeout), run_dir=run_dir,
+                   events=events, faults=faults)
+
+
+# Written once by process 0 when its CPU backend starts; a restarted process 0 would fail
+# with ALREADY_EXISTS on the old incarnation's copy. The topology itself cannot change.
+STALE_TOPOLOGY_KEYS = ("cpu:global_topology/cpu",)
+
+
+def _clear_stale_topology(process_id: int) -> None:
+    if process_id != 0:
+        return
+    client = distributed_client()
+    for key in STALE_TOPOLOGY_KEYS:
+        try:
+            client.key_value_delete(key)
+        except Exception:  # absent on a first start
+            pass
+
+
+def _fault_logger(events: EventLog):
+    def on_fire(rule: FaultRule, step: int) -> None:
+        events.log("fault", action=rule.action, step=step, phase=rule.phase, spec=rule.spec)
+
+    return on_fire
+
+
+def distributed_client():
+    """The live ``jax.distributed`` client (private jax state; pinned jax range)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise InitializeError("jax.distributed is not initialized; call jaxft.initialize() first")
+    return client
