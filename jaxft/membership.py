@@ -63,6 +63,8 @@ class Members:
     joined: tuple[int, ...]  # process ids new (or with a new incarnation) since last step
     left: tuple[int, ...]
     reset: bool  # the data plane was rebuilt at the start of this step
+    gained: bool  # a member (maybe this process) is new since the last committed step:
+    # joiners may need state. Every member computes the same value.
 
     @property
     def size(self) -> int:
@@ -100,6 +102,7 @@ class ElasticGroup:
         self.generation = 0
         self._previous: dict[int, int] | None = None  # member map of the previous step
         self._synced: dict[int, int] | None = None  # member map the data plane was built for
+        self._agreed: dict[int, int] | None = None  # member map of the last committed step
         self._reset_attempts: dict[str, int] = {}
         self._meshes: dict[tuple[int, ...], Mesh] = {}
         self._pre_reset: list[Callable[[], None]] = []
@@ -153,6 +156,7 @@ class ElasticGroup:
             else:
                 with self._watch("leaving a step"):
                     cm.__exit__(None, None, None)
+                self._agreed = dict(members.incarnations)
         except multihost_utils.ProcessFailureError as e:
             raise StepFailed({d.process_index for d in e.failed_devices}, e.__cause__) from e
         finally:
@@ -199,7 +203,8 @@ class ElasticGroup:
         left = tuple(sorted(p for p in (previous or {}) if p not in current))
         if previous != current:
             self.generation += 1
-        reset = self.needs_data_plane_reset and self._must_reset(current)
+        gained = _is_new(self._agreed, current)
+        reset = self.needs_data_plane_reset and _is_new(self._synced, current)
         if reset:
             self._reset_data_plane(current)
             devices = [d for d in jax.devices() if d.process_index in current]
@@ -209,18 +214,8 @@ class ElasticGroup:
         devices = tuple(sorted(devices, key=lambda d: d.id))
         return Members(devices=devices, mesh=self.mesh(devices),
                        process_ids=tuple(sorted(current)), incarnations=current,
-                       generation=self.generation, joined=joined, left=left, reset=reset)
-
-    def _must_reset(self, current: Mapping[int, int]) -> bool:
-        """Rebuild when any member is new to the data plane we built.
-
-        A fresh process has built nothing, so it always rebuilds in its first step; every
-        other member sees that process's new incarnation and rebuilds with it. The
-        decision needs only the agreed member map: no extra round trip, no race.
-        """
-        if self._synced is None:
-            return True
-        return any(self._synced.get(p) != i for p, i in current.items())
+                       generation=self.generation, joined=joined, left=left, reset=reset,
+                       gained=gained)
 
     def _reset_data_plane(self, current: Mapping[int, int]) -> None:
         """Agree, clear stale rendezvous keys, barrier, rebuild the CPU backend."""
@@ -252,6 +247,16 @@ class ElasticGroup:
         if all(by_id.get(d.id) is d for d in live.devices):
             return
         live.devices = {by_id[d.id]: inc for d, inc in live.devices.items() if d.id in by_id}
+
+
+def _is_new(known: Mapping[int, int] | None, current: Mapping[int, int]) -> bool:
+    """Whether ``current`` has a member (or incarnation) absent from ``known``.
+
+    A fresh process knows nothing (``known is None``) so it always answers True, and every
+    other member answers True too because that process's incarnation is new to them. The
+    answer needs only the agreed member map: no extra round trip, no race.
+    """
+    return known is None or any(known.get(p) != i for p, i in current.items())
 
 
 def _hard_exit(code: int, message: str) -> None:

@@ -30,6 +30,9 @@ GPU_ENV = {
 CPU_COLLECTIVE_TIMEOUT_FLAG = "xla_cpu_collective_timeout_seconds"
 
 
+_LOCAL_COORDINATOR = None  # the private service of a single-process run
+
+
 class InitializeError(RuntimeError):
     """``jaxft.initialize`` was called wrongly or could not connect."""
 
@@ -152,6 +155,10 @@ def initialize(coordinator_address: str | None = None,
     like plain ``jax.distributed.initialize``: process 0 hosts the service, and its death
     ends the job.
 
+    Called with nothing set (no arguments, no launcher environment) it runs as a single
+    process with a private coordination service, so the same program works without
+    ``jaxft launch``.
+
     Must be called before anything starts a JAX backend (``jax.devices()``, any
     computation): XLA reads its flags only once.
 
@@ -183,6 +190,15 @@ def initialize(coordinator_address: str | None = None,
     run_dir = run_dir or environ.get(envvars.RUN_DIR) or None
     incarnation = _resolve(None, envvars.INCARNATION, environ) or 0
 
+    if coordinator_address is None and num_processes in (None, 1) and process_id in (None, 0):
+        # Plain single-process run (no launcher): host a private one-process service so
+        # the same elastic code runs unchanged.
+        global _LOCAL_COORDINATOR
+        from jaxft.coordinator import Coordinator
+
+        _LOCAL_COORDINATOR = Coordinator(1, heartbeat_timeout=heartbeat_timeout)
+        coordinator_address, num_processes, process_id = _LOCAL_COORDINATOR.address, 1, 0
+        external_coordinator = True
     if coordinator_address is None or num_processes is None or process_id is None:
         raise InitializeError(
             "jaxft.initialize needs coordinator_address, num_processes and process_id, as "

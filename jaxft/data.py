@@ -1,0 +1,118 @@
+"""Deterministic global batches, split over whoever is alive.
+
+Step ``k`` always trains on the same ``G`` examples, drawn from the dataset by a seeded
+permutation per epoch, so a step retried on fewer processes sees exactly the same data.
+The batch is padded to a multiple of the device count and masked; the trainer divides
+the loss by ``G``, never by the number of live devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+PyTree = Any
+
+
+class GlobalBatches:
+    """Maps a step number to the same global batch of ``global_batch`` examples.
+
+    Args:
+      dataset: a pytree of arrays sharing the leading dimension ``N``.
+      global_batch: ``G``, examples per step, independent of the number of processes.
+      seed: the permutation of epoch ``e`` is ``default_rng([seed, e]).permutation(N)``.
+      shuffle: if False, examples are taken in order.
+    """
+
+    def __init__(self, dataset: PyTree, global_batch: int, seed: int = 0, shuffle: bool = True):
+        leaves = jax.tree_util.tree_leaves(dataset)
+        if not leaves:
+            raise ValueError("dataset has no arrays")
+        sizes = {int(np.shape(x)[0]) for x in leaves}
+        if len(sizes) != 1:
+            raise ValueError(f"dataset arrays disagree on the number of examples: {sorted(sizes)}")
+        if global_batch < 1:
+            raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+        self.dataset = jax.tree_util.tree_map(np.asarray, dataset)
+        self.num_examples = sizes.pop()
+        self.global_batch = global_batch
+        self.seed = seed
+        self.shuffle = shuffle
+        self._perm_cache: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        perm = self._perm_cache.get(epoch)
+        if perm is None:
+            perm = (np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+                    if self.shuffle else np.arange(self.num_examples))
+            self._perm_cache = {epoch: perm}  # keep one epoch: steps move forward
+        return perm
+
+    def indices(self, step: int) -> np.ndarray:
+        """Dataset indices of step ``step``'s batch, shape ``[G]``."""
+        positions = step * self.global_batch + np.arange(self.global_batch)
+        epochs, offsets = np.divmod(positions, self.num_examples)
+        out = np.empty(self.global_batch, np.int64)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            out[sel] = self._perm(int(e))[offsets[sel]]
+        return out
+
+    def batch(self, step: int) -> PyTree:
+        """Step ``step``'s batch: the dataset pytree with leading dimension ``G``."""
+        idx = self.indices(step)
+        return jax.tree_util.tree_map(lambda x: x[idx], self.dataset)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How ``G`` examples are laid out on ``D`` devices in ``M`` micro-batches.
+
+    The device array has shape ``[M, D * m]``: micro-batch ``i`` gives device ``d`` the
+    slice ``[d*m, (d+1)*m)`` of row ``i``. Slots past ``G`` are padding (mask 0).
+    """
+
+    global_batch: int
+    num_devices: int
+    num_micro: int
+    micro_size: int  # m, examples per device per micro-batch
+
+    @classmethod
+    def plan(cls, global_batch: int, num_devices: int, micro_batch: int | None = None) -> "Layout":
+        per_device = math.ceil(global_batch / num_devices)
+        m = per_device if not micro_batch else min(micro_batch, per_device)
+        return cls(global_batch, num_devices, math.ceil(per_device / m), m)
+
+    def arrange(self, x: np.ndarray) -> np.ndarray:
+        """``[G, ...] -> [M, D*m, ...]`` with zero padding."""
+        d, mm, m = self.num_devices, self.num_micro, self.micro_size
+        padded = np.zeros((d * mm * m,) + x.shape[1:], x.dtype)
+        padded[: self.global_batch] = x
+        # device-major: device d owns examples [d*M*m, (d+1)*M*m) of the padded batch
+        return padded.reshape((d, mm, m) + x.shape[1:]).swapaxes(0, 1).reshape((mm, d * m) + x.shape[1:])
+
+    def mask(self) -> np.ndarray:
+        return self.arrange(np.ones(self.global_batch, np.float32))
+
+
+def shard_batch(batch: PyTree, mesh, axis_name: str = "data",
+                micro_batch: int | None = None) -> tuple[PyTree, jax.Array]:
+    """Place a global batch ``[G, ...]`` on ``mesh`` as ``[M, D*m, ...]`` plus its mask.
+
+    Every process passes the same global batch; each only materialises its own slices.
+    """
+    num_devices = mesh.devices.size
+    leaves = jax.tree_util.tree_leaves(batch)
+    layout = Layout.plan(int(np.shape(leaves[0])[0]), num_devices, micro_batch)
+    sharding = NamedSharding(mesh, P(None, axis_name))
+
+    def place(x: np.ndarray) -> jax.Array:
+        arranged = layout.arrange(np.asarray(x))
+        return jax.make_array_from_callback(arranged.shape, sharding, lambda idx: arranged[idx])
+
+    return jax.tree_util.tree_map(place, batch), place(np.ones(layout.global_batch, np.float32))

@@ -1,0 +1,227 @@
+"""``ElasticTrainer``: data-parallel training that survives process failures.
+
+Each step runs inside one :meth:`ElasticGroup.step`: the global batch of the step is
+split over the live devices, gradients are summed over them and divided by the global
+batch size, and the new state is committed only if every member finished. A failed step
+is retried on the survivors with the same batch, so the run computes what a run without
+failures computes. A restarted process is detected inside the step and rehydrated from
+the lowest-numbered member holding the latest step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxft import transfer
+from jaxft.data import GlobalBatches, shard_batch
+from jaxft.events import EventLog
+from jaxft.faults import FaultInjector
+from jaxft.membership import ElasticGroup, Members, StepFailed
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree], jax.Array]  # (params, batch[B, ...]) -> per-example loss [B]
+
+
+class ConsistencyError(RuntimeError):
+    """Members hold different parameters: a bug or silent corruption, never ignored."""
+
+    def __init__(self, step: int, processes: list[int]):
+        self.step, self.processes = step, processes
+        super().__init__(f"params diverged at step {step}: processes {processes} disagree with the majority")
+
+
+@dataclasses.dataclass
+class TrainState:
+    """The committed state: everything needed to continue exactly."""
+
+    step: int
+    params: PyTree
+    opt_state: PyTree
+
+
+@dataclasses.dataclass
+class StepRecord:
+    step: int
+    loss: float
+    members: tuple[int, ...]
+    generation: int
+
+
+def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, global_batch: int,
+                    mesh: Mesh) -> Callable:
+    """Jitted ``(params, opt_state, batch[M, D*m, ...], mask[M, D*m]) -> (params, opt_state, loss)``.
+
+    Scans over the ``M`` micro-batches, summing per-example losses times the mask, and
+    divides by ``global_batch``: the gradient does not depend on how many devices hold
+    the batch. The cross-device sum is the all-reduce XLA inserts for the replicated
+    params.
+    """
+    replicated = NamedSharding(mesh, P())
+
+    def step(params, opt_state, batch, mask):
+        def micro(carry, xs):
+            grad_sum, loss_sum = carry
+            b, m = xs
+            loss, grads = jax.value_and_grad(lambda p: jnp.sum(loss_fn(p, b) * m))(params)
+            return (jax.tree_util.tree_map(jnp.add, grad_sum, grads), loss_sum + loss), None
+
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+        (grad_sum, loss_sum), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), (batch, mask))
+        grads = jax.tree_util.tree_map(lambda g: g / global_batch, grad_sum)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss_sum / global_batch
+
+    return jax.jit(step, out_shardings=(replicated, replicated, replicated))
+
+
+def _replicate(tree: PyTree, mesh: Mesh) -> PyTree:
+    """A replicated global view of this process's copy (no data moves between processes)."""
+    sharding = NamedSharding(mesh, P())
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+
+    def one(x):
+        x = np.asarray(x) if not isinstance(x, jax.Array) else x
+        return jax.make_array_from_single_device_arrays(np.shape(x), sharding,
+                                                        [jax.device_put(x, d) for d in local])
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def _local(tree: PyTree) -> PyTree:
+    """This process's copy of a replicated tree, as single-device arrays."""
+    return jax.tree_util.tree_map(lambda x: x.addressable_data(0), tree)
+
+
+def _to_host(tree: PyTree) -> PyTree:
+    return jax.tree_util.tree_map(lambda x: np.array(x), tree)
+
+
+class ElasticTrainer:
+    """The elastic data-parallel loop.
+
+    Args:
+      loss_fn: ``(params, batch) -> per-example losses [B]`` (the trainer masks padding
+        and normalises by the global batch size).
+      optimizer: any optax transformation.
+      params: initial parameters (every process must pass the same values).
+      data: the :class:`GlobalBatches` to train on.
+      runtime: what :func:`jaxft.initialize` returned (events and fault points).
+      micro_batch: examples per device per micro-batch (gradient accumulation), or None.
+      check_every: every N steps, verify that all members hold bitwise-identical params.
+    """
+
+    def __init__(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, params: PyTree,
+                 data: GlobalBatches, *, runtime=None, events: EventLog | None = None,
+                 faults: FaultInjector | None = None, micro_batch: int | None = None,
+                 check_every: int = 0, group: ElasticGroup | None = None,
+                 on_commit: Callable[["ElasticTrainer", StepRecord], None] | None = None):
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.data = data
+        self.micro_batch = micro_batch
+        self.check_every = check_every
+        self.events = events or (runtime.events if runtime is not None else EventLog(None, jax.process_index()))
+        self.faults = faults or (runtime.faults if runtime is not None else FaultInjector([], jax.process_index()))
+        self.group = group or ElasticGroup()
+        self.on_commit = on_commit
+        self.state = TrainState(0, params, optimizer.init(params))
+        self.last_loss: float | None = None
+        self._steps: dict[tuple[int, ...], Callable] = {}
+        self.group.on_reset(before=self._state_to_host, after=self._steps.clear)
+
+    # -- state --------------------------------------------------------------------------
+    def _state_to_host(self) -> None:
+        s = self.state
+        self.state = TrainState(s.step, _to_host(s.params), _to_host(s.opt_state))
+
+    def restore(self, state: TrainState) -> None:
+        """Start from ``state`` (e.g. a checkpoint) instead of the initial one."""
+        self.state = state
+
+    def _train_step(self, members: Members) -> Callable:
+        key = tuple(d.id for d in members.devices)
+        fn = self._steps.get(key)
+        if fn is None:
+            fn = make_train_step(self.loss_fn, self.optimizer, self.data.global_batch, members.mesh)
+            self._steps[key] = fn
+        return fn
+
+    # -- joiners ------------------------------------------------------------------------
+    def _sync_state(self, m: Members) -> tuple[TrainState, dict | None]:
+        """Agree on the step; rehydrate members behind the latest one from a donor."""
+        row = np.array([self.state.step, self.group.generation], np.int64)
+        rows = transfer.allgather_rows(row, m.mesh)
+        procs = [d.process_index for d in m.devices]
+        steps = {p: int(r[0]) for p, r in zip(procs, rows)}
+        self.group.generation = int(rows[:, 1].max())
+        latest = max(steps.values())
+        if all(s == latest for s in steps.values()):
+            return self.state, None
+        donor = min(p for p, s in steps.items() if s == latest)
+        t0 = time.perf_counter()
+        payload = {"step": np.int64(self.state.step), "params": self.state.params,
+                   "opt_state": self.state.opt_state}
+        got = transfer.broadcast_tree(payload, donor, m.mesh)
+        info = None
+        if steps[self.group.process_id] != latest:
+            info = {"step": latest, "from_step": steps[self.group.process_id], "donor": donor,
+                    "bytes": transfer.tree_nbytes(payload), "seconds": round(time.perf_counter() - t0, 4)}
+        return TrainState(int(got["step"]), got["params"], got["opt_state"]), info
+
+    # -- the loop -----------------------------------------------------------------------
+    def run(self, num_steps: int) -> TrainState:
+        """Train until ``num_steps`` steps are committed; returns the final state."""
+        while self.state.step < num_steps:
+            self.try_step()
+        self.group.finish()
+        self.log_final()
+        return self.state
+
+    def try_step(self) -> StepRecord | None:
+        """One attempt at the next step; None if it failed (nothing was committed)."""
+        step = self.state.step
+        self.faults.point("before-step", step)
+        try:
+            with self.group.step() as m:
+                state, rehydrated = (self._sync_state(m) if m.gained else (self.state, None))
+                step = state.step
+                fn = self._train_step(m)
+                batch, mask = shard_batch(self.data.batch(step), m.mesh, self.group.axis_name, self.micro_batch)
+                params, opt_state, loss = fn(_replicate(state.params, m.mesh),
+                                             _replicate(state.opt_state, m.mesh), batch, mask)
+                jax.block_until_ready((params, opt_state, loss))
+                self.faults.point("after-grad", step)
+                new_params = _local(params)
+                if self.check_every and (step + 1) % self.check_every == 0:
+                    bad = transfer.check_consistent(new_params, m.mesh)
+                    if bad:
+                        raise ConsistencyError(step + 1, bad)
+                loss = float(np.asarray(loss.addressable_data(0)))
+        except StepFailed as e:
+            self.events.log("step_failed", step=step, failed=list(e.failed),
+                            cause=str(e.cause).splitlines()[0][:300] if e.cause else "membership changed")
+            return None
+        if rehydrated is not None:
+            self.events.log("join", step=rehydrated["from_step"], process=self.group.process_id)
+            self.events.log("rehydrated", **rehydrated)
+        self.state = TrainState(step + 1, new_params, _local(opt_state))
+        self.last_loss = loss
+        record = StepRecord(step, loss, m.process_ids, m.generation)
+        self.events.log("commit", step=step, members=list(m.process_ids), generation=m.generation, loss=loss)
+        if self.on_commit is not None:
+            self.on_commit(self, record)
+        self.faults.point("after-commit", step)
+        return record
+
+    def log_final(self) -> dict:
+        params = self.state.params
+        return self.events.log("final", step=self.state.step, params_sha256=transfer.tree_sha256(params),
+                               params_norm=transfer.tree_norm(params), loss=self.last_loss)
