@@ -27,6 +27,7 @@ def _add_launch(sub) -> None:
                    help="number of worker processes (default: one per GPU, else required)")
     p.add_argument("--restart", choices=RESTART_POLICIES, default="never",
                    help="restart a dead worker with the same process id (default: never)")
+    p.add_argument("--restart-delay", type=float, default=0.0, help="seconds to wait before a restart")
     p.add_argument("--max-restarts", type=int, default=10, help="restarts allowed per process")
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="inject a fault, e.g. kill:process=1:step=5[:phase=after-grad], "
@@ -83,7 +84,8 @@ def _launch(args, parser) -> int:
                           max_restarts=args.max_restarts, faults=args.fault, run_dir=args.run_dir,
                           heartbeat_timeout=args.heartbeat_timeout,
                           collective_timeout=args.collective_timeout, port=args.port, bind=args.bind,
-                          gpus=gpus, grace_s=args.grace)
+                          gpus=gpus, grace_s=args.grace,
+                          restart_delay_s=args.restart_delay)
     return Launcher(config).run()
 
 

@@ -50,6 +50,7 @@ class LaunchConfig:
     bind: str = "127.0.0.1"
     gpus: Sequence[int] | None = None  # one local device id per process
     grace_s: float = 5.0  # SIGTERM -> SIGKILL bound at shutdown
+    restart_delay_s: float = 0.0  # wait this long before restarting a dead worker
     hung_after_s: float | None = None  # a SIGSTOPped worker counts as dead after this
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -63,6 +64,8 @@ class LaunchConfig:
             raise LaunchError(f"worker command {exe!r} not found (not on PATH, or not executable)")
         if self.restart not in RESTART_POLICIES:
             raise LaunchError(f"--restart must be one of {RESTART_POLICIES}, got {self.restart!r}")
+        if self.restart_delay_s < 0:
+            raise LaunchError("--restart-delay must be >= 0")
         if self.max_restarts < 0:
             raise LaunchError("--max-restarts must be >= 0")
         if self.heartbeat_timeout < 1 or self.collective_timeout < 1:
@@ -103,6 +106,7 @@ class _Worker:
     done: bool = False
     returncode: int | None = None
     stopped_since: float | None = None
+    restart_at: float | None = None  # a restart is pending until this time
     reader: threading.Thread | None = None
 
 
@@ -242,6 +246,11 @@ class Launcher:
                                         action=rule.action, spec=rule.spec, source="launcher")
                         self._signal_group(w, sig)
             for w in self.workers:
+                if w.restart_at is not None:
+                    if now >= w.restart_at:
+                        w.restart_at = None
+                        self._start(w, coordinator, fault_dir)
+                    continue
                 if w.done or w.proc is None:
                     continue
                 code = w.proc.poll()
@@ -266,11 +275,12 @@ class Launcher:
                     w.restarts += 1
                     self.events.log("restart", process=w.process_id, incarnation=w.incarnation + 1,
                                     restarts=w.restarts, source="launcher")
-                    self.say(f"restarting process {w.process_id} (restart {w.restarts}/{c.max_restarts})")
-                    self._start(w, coordinator, fault_dir)
+                    self.say(f"restarting process {w.process_id} (restart {w.restarts}/{c.max_restarts})"
+                             + (f" in {c.restart_delay_s:g} s" if c.restart_delay_s else ""))
+                    w.restart_at = now + c.restart_delay_s
                 else:
                     w.done = True
-            if all(w.done for w in self.workers):
+            if all(w.done and w.restart_at is None for w in self.workers):
                 return 0 if all(w.returncode == 0 for w in self.workers) else 1
             time.sleep(0.05)
 

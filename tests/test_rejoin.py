@@ -1,0 +1,64 @@
+"""Rejoin: restarted processes are rehydrated from a live peer; training returns to full width."""
+
+import pytest
+
+from runs import MLP, commits_by_step, finals, launch, of, rel, tail
+
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    proc, events = launch(tmp_path_factory.mktemp("ref"), MLP, "--steps", str(STEPS), n=1)
+    assert proc.returncode == 0, tail(proc)
+    return finals(events)[0]
+
+
+def check_run(events, reference, restarts):
+    f = finals(events)
+    assert sorted(e["process"] for e in f) == [0, 1, 2]
+    assert len({e["params_sha256"] for e in f}) == 1, "members must end bitwise identical"
+    assert all(e["step"] == STEPS for e in f)
+    assert rel(f[0]["params_norm"], reference["params_norm"]) < 1e-5
+    by_step = commits_by_step(events)
+    assert sorted(by_step) == list(range(STEPS))
+    for step, commits in by_step.items():
+        procs = [c["process"] for c in commits]
+        assert len(procs) == len(set(procs)), f"step {step} committed twice by one process"
+        assert len({tuple(c["members"]) for c in commits}) == 1
+    assert by_step[STEPS - 1][0]["members"] == [0, 1, 2], "back to full width"
+    joins, rehydrated = of(events, "join"), of(events, "rehydrated")
+    assert len(joins) == len(rehydrated) == restarts
+    for r in rehydrated:
+        assert r["bytes"] > 0 and r["donor"] != r["process"] and r["seconds"] >= 0
+        donor_commits = [c for c in by_step[r["step"] - 1] if c["process"] == r["donor"]]
+        assert donor_commits, "the donor must hold the latest committed step"
+
+
+def test_three_restarts_including_process_0(reference, tmp_path):
+    faults = ["kill:process=0:step=5", "kill:process=1:step=12", "kill:process=0:step=20"]
+    proc, events = launch(tmp_path, MLP, "--steps", str(STEPS), faults=faults, restart="on-failure")
+    assert proc.returncode == 0, tail(proc)
+    check_run(events, reference, restarts=3)
+    assert {(r["process"], r["incarnation"]) for r in of(events, "rehydrated")} == {(0, 1), (1, 1), (0, 2)}
+
+
+def test_slow_restart_rejoins_behind(reference, tmp_path):
+    # The survivors train on without process 2 for a while; it must catch up from a donor.
+    faults = ["kill:process=2:step=6:phase=before-step"]
+    proc, events = launch(tmp_path, MLP, "--steps", str(STEPS), "--step_sleep", "0.15", faults=faults,
+                          restart="on-failure", extra=["--restart-delay", "4"])
+    assert proc.returncode == 0, tail(proc)
+    check_run(events, reference, restarts=1)
+    (r,) = of(events, "rehydrated")
+    assert r["step"] > 6, "process 2 should have come back after the survivors moved on"
+    assert any(c["members"] == [0, 1] for c in of(events, "commit"))
+
+
+@pytest.mark.soak
+def test_ten_kill_restart_cycles(reference, tmp_path):
+    faults = [f"kill:process=2:step={s}" for s in range(3, 33, 3)]
+    proc, events = launch(tmp_path, MLP, "--steps", str(STEPS), faults=faults, restart="on-failure",
+                          extra=["--max-restarts", "20"], timeout=600)
+    assert proc.returncode == 0, tail(proc)
+    check_run(events, reference, restarts=10)

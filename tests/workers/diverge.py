@@ -1,0 +1,37 @@
+"""Test worker: the MLP trainer, but process 1 corrupts its params after step 2's commit.
+
+The consistency guard (check every 5 steps) must then stop every member with a
+ConsistencyError naming process 1.
+"""
+
+import sys
+
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/examples")
+
+import jaxft  # noqa: E402
+
+rt = jaxft.initialize()
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+from mlp import init_params, loss_fn, make_dataset  # noqa: E402
+
+
+def corrupt(trainer, record):
+    if record.step == 2 and rt.process_id == 1:
+        p = dict(trainer.state.params)
+        p["b3"] = np.asarray(p["b3"]) + np.float32(1e-6)
+        trainer.state.params = p
+
+
+dataset = make_dataset(512)
+params = jax.tree_util.tree_map(np.asarray, init_params(0, 16, 8))
+trainer = jaxft.ElasticTrainer(loss_fn, optax.sgd(0.01), params, jaxft.GlobalBatches(dataset, 24),
+                               runtime=rt, check_every=5, on_commit=corrupt)
+try:
+    trainer.run(10)
+except jaxft.ConsistencyError as e:
+    rt.events.log("consistency_error", step=e.step, processes=e.processes)
+    raise
