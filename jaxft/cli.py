@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from jaxft import bench, report
 from jaxft.coordinator import DEFAULT_HEARTBEAT_TIMEOUT, Coordinator, CoordinatorError, serve_forever
 from jaxft.faults import FaultSpecError
 from jaxft.launcher import RESTART_POLICIES, LaunchConfig, LaunchError, Launcher, detect_gpus
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_launch(sub)
     _add_coordinator(sub)
+    bench.add_parser(sub)
+    r = sub.add_parser("report", help="summarise a run directory's events")
+    r.add_argument("run_dir")
+    r.add_argument("--json", action="store_true", help="print the figures as JSON")
     return parser
 
 
@@ -95,6 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.cmd == "launch":
             return _launch(args, parser)
+        if args.cmd == "report":
+            return report.main(args.run_dir, args.json)
+        if args.cmd == "bench":
+            return bench.run(args)
         if args.cmd == "coordinator":
             coord = Coordinator(args.num_processes, port=args.port, bind=args.bind,
                                 heartbeat_timeout=args.heartbeat_timeout)
