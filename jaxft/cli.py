@@ -63,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="summarise a run directory's events")
     r.add_argument("run_dir")
     r.add_argument("--json", action="store_true", help="print the figures as JSON")
+    r.add_argument("--png", default=None, help="where to write the picture (default RUN_DIR/report.png)")
     return parser
 
 
@@ -101,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "launch":
             return _launch(args, parser)
         if args.cmd == "report":
-            return report.main(args.run_dir, args.json)
+            return report.main(args.run_dir, args.json, args.png)
         if args.cmd == "bench":
             return bench.run(args)
         if args.cmd == "coordinator":

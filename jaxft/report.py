@@ -65,10 +65,93 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(run_dir: str, as_json: bool = False) -> int:
+def main(run_dir: str, as_json: bool = False, png: str | None = None) -> int:
+    """Print the summary and write the picture (``RUN_DIR/report.png`` unless ``png``)."""
     if not os.path.exists(os.path.join(run_dir, "events.jsonl")):
         print(f"jaxft report: no events.jsonl in {run_dir}")
         return 2
-    s = summarize(read_events(run_dir))
-    print(json.dumps(s, indent=2) if as_json else format_summary(s))
+    events = read_events(run_dir)
+    s = summarize(events)
+    png = png or os.path.join(run_dir, "report.png")
+    s["report_png"] = plot(events, png, title=f"jaxft run {os.path.basename(os.path.abspath(run_dir))}")
+    print(json.dumps(s, indent=2) if as_json else format_summary(s) + f"\nreport picture      {png}")
     return 0
+
+
+def plot(events: list[dict], path: str, title: str | None = None) -> str:
+    """Draw the run: process lanes and live width over time, and the loss per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not events:
+        raise ValueError("no events to plot")
+    t0 = min(e["time"] for e in events)
+    t = lambda e: e["time"] - t0  # noqa: E731
+    procs = sorted({e["process"] for e in events if isinstance(e.get("process"), int)})
+    fig, (ax_lanes, ax_width, ax_loss) = plt.subplots(
+        3, 1, figsize=(11, 8.5), gridspec_kw={"height_ratios": [1.2, 1, 1.4]}, constrained_layout=True)
+
+    # lanes: one row per process, a bar per incarnation (launch -> exit)
+    launches = {(e["process"], e["incarnation"]): t(e) for e in events if e["event"] == "launch"}
+    exits = {(e["process"], e["incarnation"]): e for e in events if e["event"] == "exit"}
+    end = max(t(e) for e in events)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for (p, inc), start in sorted(launches.items()):
+        ex = exits.get((p, inc))
+        stop = t(ex) if ex else end
+        ax_lanes.barh(p, stop - start, left=start, height=0.6, color=colors[inc % len(colors)], alpha=0.75)
+        ax_lanes.text(start + 0.1, p, f"inc {inc}", va="center", fontsize=7, color="white")
+        if ex and ex.get("signal"):
+            ax_lanes.plot(stop, p, "x", color="red", ms=10, mew=2)
+    ax_lanes.set_yticks(procs)
+    ax_lanes.set_yticklabels([f"process {p}" for p in procs])
+    ax_lanes.invert_yaxis()
+    ax_lanes.set_title("worker lifetimes (x = killed)")
+
+    # width: members of each committed step, over time
+    commits = sorted((e for e in events if e["event"] == "commit"), key=lambda e: e["time"])
+    first = {}
+    for e in commits:
+        first.setdefault(e["step"], e)
+    pts = sorted(first.values(), key=lambda e: e["time"])
+    if pts:
+        ax_width.step([t(e) for e in pts], [len(e["members"]) for e in pts], where="post", color="black")
+        ax_width.set_ylim(0, max(len(procs), 1) + 0.5)
+    for ax in (ax_lanes, ax_width):
+        for e in events:
+            if e["event"] == "fault":
+                ax.axvline(t(e), color="red", lw=1, alpha=0.6)
+            elif e["event"] == "rehydrated":
+                ax.axvline(t(e), color="green", lw=1, ls="--", alpha=0.8)
+            elif e["event"] == "checkpoint_saved":
+                ax.axvline(t(e), color="tab:blue", lw=0.8, ls=":", alpha=0.8)
+            elif e["event"] == "restored":
+                ax.axvline(t(e), color="purple", lw=1.2, ls="-.", alpha=0.8)
+    ax_width.set_ylabel("live processes")
+    ax_width.set_xlabel("seconds since launch")
+    ax_width.set_title("live members per committed step (red: fault, green: rejoin, "
+                       "blue: checkpoint, purple: restore)")
+    ax_lanes.sharex(ax_width)
+    ax_width.set_xlim(0, end * 1.01)
+
+    # loss per step, from the first commit of each step
+    steps = sorted(first)
+    if steps:
+        ax_loss.plot(steps, [first[s]["loss"] for s in steps], color="black", lw=1.2)
+        ax_loss.set_yscale("log")
+    for e in events:
+        if e["event"] == "step_failed" and e["step"] in first:
+            ax_loss.axvline(e["step"], color="red", lw=1, alpha=0.5)
+        if e["event"] == "rehydrated":
+            ax_loss.axvline(e["step"], color="green", lw=1, ls="--", alpha=0.7)
+        if e["event"] == "restored":
+            ax_loss.axvline(e["step"], color="purple", lw=1.2, ls="-.", alpha=0.8)
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_title("training loss (red: a step retried after a failure)")
+    fig.suptitle(title or "jaxft run")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

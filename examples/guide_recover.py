@@ -1,0 +1,35 @@
+"""The JAX fault-tolerance guide's example 2 (survive and recover), on ``ElasticTrainer``.
+
+The guide assumes process 0 never dies and always sends the weights to a recovering
+process. Here any process may die, process 0 included: a restarted process is rehydrated
+(step, weights, optimizer state) from the lowest-numbered member holding the latest step.
+
+    jaxft launch -n 4 --restart on-failure --fault kill:process=0:step=10 \
+        --fault kill:process=2:step=25 -- python examples/guide_recover.py
+"""
+
+from absl import app, flags
+
+import jaxft
+
+flags.DEFINE_integer("steps", 50, "steps to train")
+FLAGS = flags.FLAGS
+
+
+def main(_):
+    rt = jaxft.initialize()
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    rng = np.random.default_rng(42)
+    x = rng.permutation(np.arange(-300.0, 300.0, dtype=np.float32))
+    data = jaxft.GlobalBatches({"x": x, "y": 10 * x + rng.normal(size=x.shape).astype(np.float32)}, 60)
+    loss_fn = lambda w, b: (w["a"] * b["x"] - b["y"]) ** 2  # per-example loss
+    trainer = jaxft.ElasticTrainer(loss_fn, optax.sgd(1e-6), {"a": np.float32(0.0)}, data, runtime=rt)
+    state = trainer.run(FLAGS.steps)
+    print(f"done: step {state.step}, a = {float(jnp.asarray(state.params['a'])):.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
