@@ -173,6 +173,92 @@ def bench_rehydrate(n: int = 2, mb: float = 100) -> dict:
                               "correct", "processes")}
 
 
+# -- chaos --------------------------------------------------------------------------------
+def _mlp() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(os.path.dirname(here), "examples", "mlp.py")
+    if not os.path.exists(path):
+        raise SystemExit(f"jaxft bench chaos needs the repository's examples/mlp.py (looked in {path})")
+    return path
+
+
+def run_figures(events: list[dict], steps: int) -> dict:
+    """Training time, steps lost and recovery times of one run, from its events."""
+    first: dict[int, float] = {}
+    counts: dict[tuple[int, int], int] = {}
+    for e in sorted((e for e in events if e["event"] == "commit"), key=lambda e: e["time"]):
+        first.setdefault(e["step"], e["time"])
+        counts[(e["process"], e["step"])] = counts.get((e["process"], e["step"]), 0) + 1
+    if sorted(first) != list(range(steps)):
+        raise SystemExit(f"run did not commit steps 0..{steps - 1}")
+    per_process: dict[int, int] = {}
+    for (p, _), c in counts.items():
+        per_process[p] = per_process.get(p, 0) + c - 1
+    recoveries = []
+    for f in (e for e in events if e["event"] == "fault"):
+        done = [s for s, t in first.items() if t <= f["time"]]
+        later = [t for s, t in first.items() if s > max(done, default=-1) and t > f["time"]]
+        if later:
+            recoveries.append(min(later) - f["time"])
+    train_s = first[steps - 1] - first[0]
+    return {"train_s": round(train_s, 3), "steps_per_s": round((steps - 1) / train_s, 3),
+            "steps_lost": max(per_process.values(), default=0),
+            "recovery_s": round(statistics.mean(recoveries), 3) if recoveries else None,
+            "faults": len(recoveries)}
+
+
+def bench_chaos(n: int = 4, steps: int = 150, kill_every: float = 10.0, checkpoint_every: int = 20,
+                step_sleep: float = 0.1, seed: int = 0, keep_dirs: str | None = None,
+                overhead: bool = True) -> dict:
+    """The same training three ways: fault-free, jaxft with kills, restart-all with kills."""
+    import random
+
+    base = keep_dirs or tempfile.mkdtemp(prefix="jaxft-chaos-")
+    worker = [_mlp(), "--steps", str(steps), "--step_sleep", str(step_sleep),
+              "--checkpoint_every", str(checkpoint_every), "--check_every", "0"]
+
+    def job(name: str, restart: str, faults: list[str]) -> list[dict]:
+        run_dir = os.path.join(base, name)
+        cmd = [sys.executable, "-m", "jaxft.cli", "launch", "-n", str(n), "--run-dir", run_dir,
+               "--restart", restart, "--max-restarts", "50"]
+        for f in faults:
+            cmd += ["--fault", f]
+        proc = subprocess.run(cmd + ["--", sys.executable, *worker], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"chaos run {name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+        return read_events(run_dir)
+
+    ff_events = job("fault_free", "on-failure", [])
+    start = min(e["time"] for e in ff_events)
+    first_commit = min(e["time"] for e in ff_events if e["event"] == "commit") - start
+    last_commit = max(e["time"] for e in ff_events if e["event"] == "commit") - start
+    rng = random.Random(seed)
+    times = []
+    t = first_commit + kill_every
+    while t < last_commit:
+        times.append(t)
+        t += kill_every
+    schedule = [f"kill:process={rng.randrange(n)}:after={t:.2f}s" for t in times]
+    figures = {"fault_free": run_figures(ff_events, steps)}
+    figures["jaxft"] = run_figures(job("jaxft", "on-failure", schedule), steps)
+    figures["restart_all"] = run_figures(job("restart_all", "all", schedule), steps)
+    ff = figures["fault_free"]["train_s"]
+    for name in figures:
+        figures[name]["goodput"] = round(ff / figures[name]["train_s"], 3)
+    figures["schedule"] = schedule
+    figures["config"] = {"processes": n, "steps": steps, "kill_every_s": kill_every,
+                         "checkpoint_every": checkpoint_every, "step_sleep_s": step_sleep, "seed": seed,
+                         "run_dirs": base if keep_dirs else None}
+    if overhead:
+        figures["overhead"] = bench_overhead(n=2)
+        figures["overhead_ratio"] = figures["overhead"]["ratio"]
+    if not keep_dirs:
+        import shutil
+
+        shutil.rmtree(base, ignore_errors=True)
+    return figures
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print figures")
     which = p.add_subparsers(dest="bench", required=True)
@@ -184,7 +270,16 @@ def add_parser(sub) -> None:
     r = which.add_parser("rehydrate", help="state transfer to a joiner vs a TCP loopback copy")
     r.add_argument("-n", type=int, default=2)
     r.add_argument("--mb", type=float, default=100)
-    for q in (o, r):
+    c = which.add_parser("chaos", help="goodput under failures: jaxft vs restart-all-from-checkpoint")
+    c.add_argument("-n", type=int, default=4)
+    c.add_argument("--steps", type=int, default=150)
+    c.add_argument("--kill-every", type=float, default=10.0, help="seconds between kills")
+    c.add_argument("--checkpoint-every", type=int, default=20)
+    c.add_argument("--step-sleep", type=float, default=0.1, help="stretch each step by this many seconds")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--keep-dirs", default=None, help="keep the three run directories under this path")
+    c.add_argument("--no-overhead", action="store_true", help="skip the per-step overhead measurement")
+    for q in (o, r, c):
         q.add_argument("--json", default=None, help="also write the figures to this file")
 
 
@@ -193,6 +288,20 @@ def run(args) -> int:
         figures = bench_overhead(args.n, args.steps, args.hidden, args.global_batch)
         print(f"per step: elastic {figures['elastic_ms']:.2f} ms, plain {figures['plain_ms']:.2f} ms, "
               f"ratio {figures['ratio']:.3f} ({figures['processes']} processes)")
+    elif args.bench == "chaos":
+        figures = bench_chaos(args.n, args.steps, args.kill_every, args.checkpoint_every, args.step_sleep,
+                              args.seed, args.keep_dirs, overhead=not args.no_overhead)
+        print(f"{'':12s} {'goodput':>8s} {'steps lost':>10s} {'recovery s':>10s} {'train s':>8s}")
+        for name in ("fault_free", "jaxft", "restart_all"):
+            f = figures[name]
+            print(f"{name:12s} {f['goodput']:8.3f} {f['steps_lost']:10d} {str(f['recovery_s']):>10s} "
+                  f"{f['train_s']:8.1f}")
+        print(f"{len(figures['schedule'])} kills, one every {args.kill_every:g} s; "
+              f"checkpoint every {args.checkpoint_every} steps")
+        if "overhead_ratio" in figures:
+            o = figures["overhead"]
+            print(f"per-step overhead of jaxft over a plain JAX loop: {o['ratio']:.3f} "
+                  f"({o['elastic_ms']:.2f} vs {o['plain_ms']:.2f} ms)")
     else:
         figures = bench_rehydrate(args.n, args.mb)
         print(f"rehydrate {figures['bytes'] / 1e6:.1f} MB: {figures['seconds']:.3f} s "

@@ -27,7 +27,10 @@ from jaxft.coordinator import Coordinator
 from jaxft.events import EventLog
 from jaxft.faults import FaultRule, parse_rules
 
-RESTART_POLICIES = ("never", "on-failure")
+# never: a dead worker stays dead; on-failure: restart just that worker (jaxft's elastic
+# path); all: on any failure, kill every worker and restart all of them (what
+# restart-from-checkpoint launchers do; the baseline of the chaos benchmark).
+RESTART_POLICIES = ("never", "on-failure", "all")
 
 
 class LaunchError(ValueError):
@@ -271,18 +274,39 @@ class Launcher:
                     w.reader.join(timeout=2)
                 self._record_exit(w, code, reason)
                 w.returncode = code
-                if code != 0 and c.restart == "on-failure" and w.restarts < c.max_restarts:
-                    w.restarts += 1
-                    self.events.log("restart", process=w.process_id, incarnation=w.incarnation + 1,
-                                    restarts=w.restarts, source="launcher")
-                    self.say(f"restarting process {w.process_id} (restart {w.restarts}/{c.max_restarts})"
-                             + (f" in {c.restart_delay_s:g} s" if c.restart_delay_s else ""))
-                    w.restart_at = now + c.restart_delay_s
+                if code != 0 and c.restart == "all" and w.restarts < c.max_restarts:
+                    self._restart_everyone(w, now)
+                elif code != 0 and c.restart == "on-failure" and w.restarts < c.max_restarts:
+                    self._schedule_restart(w, now)
                 else:
                     w.done = True
             if all(w.done and w.restart_at is None for w in self.workers):
                 return 0 if all(w.returncode == 0 for w in self.workers) else 1
             time.sleep(0.05)
+
+    def _schedule_restart(self, w: _Worker, now: float) -> None:
+        c = self.config
+        w.restarts += 1
+        w.done = False
+        self.events.log("restart", process=w.process_id, incarnation=w.incarnation + 1,
+                        restarts=w.restarts, source="launcher")
+        self.say(f"restarting process {w.process_id} (restart {w.restarts}/{c.max_restarts})"
+                 + (f" in {c.restart_delay_s:g} s" if c.restart_delay_s else ""))
+        w.restart_at = now + c.restart_delay_s
+
+    def _restart_everyone(self, failed: _Worker, now: float) -> None:
+        """``--restart all``: one failure takes every worker down; all start again."""
+        self.say(f"process {failed.process_id} failed: restarting all workers (--restart all)")
+        for w in self.workers:
+            if w is not failed and w.proc is not None and w.proc.poll() is None:
+                self._signal_group(w, signal.SIGKILL)
+                w.proc.wait()
+                if w.reader is not None:
+                    w.reader.join(timeout=2)
+                self._record_exit(w, w.proc.returncode, "killed by --restart all")
+        for w in self.workers:
+            if w.restart_at is None:
+                self._schedule_restart(w, now)
 
     def _terminate_all(self) -> None:
         live = [w for w in self.workers if w.proc is not None and w.proc.poll() is None]
