@@ -74,7 +74,11 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, gl
             return (jax.tree_util.tree_map(jnp.add, grad_sum, grads), loss_sum + loss), None
 
         zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-        (grad_sum, loss_sum), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), (batch, mask))
+        carry = (zeros, jnp.zeros((), jnp.float32))
+        if mask.shape[0] == 1:  # no accumulation: skip the loop (XLA:CPU runs loop bodies slower)
+            (grad_sum, loss_sum), _ = micro(carry, jax.tree_util.tree_map(lambda x: x[0], (batch, mask)))
+        else:
+            (grad_sum, loss_sum), _ = jax.lax.scan(micro, carry, (batch, mask))
         grads = jax.tree_util.tree_map(lambda g: g / global_batch, grad_sum)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss_sum / global_batch
