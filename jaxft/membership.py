@@ -107,6 +107,7 @@ class ElasticGroup:
         self._meshes: dict[tuple[int, ...], Mesh] = {}
         self._pre_reset: list[Callable[[], None]] = []
         self._post_reset: list[Callable[[], None]] = []
+        self._watchdog: _Watchdog | None = None
 
     # -- hooks ------------------------------------------------------------------------
     def on_reset(self, before: Callable[[], None] | None = None,
@@ -175,25 +176,14 @@ class ElasticGroup:
 
     @contextlib.contextmanager
     def _watch(self, what: str) -> Iterator[None]:
-        done = threading.Event()
-
-        def watchdog() -> None:
-            t0 = time.monotonic()
-            while not done.wait(self.poll_s):
-                if self.run_finished():
-                    _hard_exit(0, f"jaxft: peers finished the run while process {self.process_id} "
-                                  f"was {what}; exiting 0")
-                if time.monotonic() - t0 > self.barrier_timeout_s:
-                    _hard_exit(EXIT_BARRIER_TIMEOUT,
-                               f"jaxft: process {self.process_id} waited {self.barrier_timeout_s:.0f} s "
-                               f"while {what} (a peer is alive but stuck?); exiting")
-
-        thread = threading.Thread(target=watchdog, daemon=True)
-        thread.start()
+        """Arm the watchdog for the duration of one barrier."""
+        if self._watchdog is None:
+            self._watchdog = _Watchdog(self)
+        self._watchdog.arm(what)
         try:
             yield
         finally:
-            done.set()
+            self._watchdog.disarm()
 
     def _enter(self, devices: Sequence[jax.Device]) -> Members:
         live_map = multihost_utils.live_devices.devices
@@ -247,6 +237,49 @@ class ElasticGroup:
         if all(by_id.get(d.id) is d for d in live.devices):
             return
         live.devices = {by_id[d.id]: inc for d, inc in live.devices.items() if d.id in by_id}
+
+
+class _Watchdog:
+    """One daemon thread that bounds every barrier wait of an :class:`ElasticGroup`.
+
+    While armed it checks, every ``poll_s``, whether the peers finished the run (exit 0)
+    or the wait outlasted ``barrier_timeout_s`` (exit :data:`EXIT_BARRIER_TIMEOUT`). It is
+    one long-lived thread, so arming it costs a lock, not a thread start, on every step.
+    """
+
+    def __init__(self, group: "ElasticGroup"):
+        self.group = group
+        self._cond = threading.Condition()
+        self._armed: tuple[str, float] | None = None
+        threading.Thread(target=self._run, daemon=True, name="jaxft-watchdog").start()
+
+    def arm(self, what: str) -> None:
+        with self._cond:
+            self._armed = (what, time.monotonic())
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._armed = None
+
+    def _run(self) -> None:
+        g = self.group
+        while True:
+            with self._cond:
+                while self._armed is None:
+                    self._cond.wait()
+                armed = self._armed
+                self._cond.wait(g.poll_s)
+                if self._armed is not armed:
+                    continue  # disarmed (or re-armed) in time
+            what, t0 = armed
+            if g.run_finished():
+                _hard_exit(0, f"jaxft: peers finished the run while process {g.process_id} was {what}; "
+                              "exiting 0")
+            if time.monotonic() - t0 > g.barrier_timeout_s:
+                _hard_exit(EXIT_BARRIER_TIMEOUT,
+                           f"jaxft: process {g.process_id} waited {g.barrier_timeout_s:.0f} s while {what} "
+                           "(a peer is alive but stuck?); exiting")
 
 
 def _is_new(known: Mapping[int, int] | None, current: Mapping[int, int]) -> bool:

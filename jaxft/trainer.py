@@ -139,10 +139,13 @@ class ElasticTrainer:
         self.state = TrainState(0, params, optimizer.init(params))
         self.last_loss: float | None = None
         self._steps: dict[tuple[int, ...], Callable] = {}
+        # The last step's replicated outputs, reused while the members stay the same.
+        self._global: tuple | None = None  # (device ids, params, opt_state, their global views)
         self.group.on_reset(before=self._state_to_host, after=self._steps.clear)
 
     # -- state --------------------------------------------------------------------------
     def _state_to_host(self) -> None:
+        self._global = None
         s = self.state
         self.state = TrainState(s.step, _to_host(s.params), _to_host(s.opt_state))
 
@@ -157,6 +160,15 @@ class ElasticTrainer:
             fn = make_train_step(self.loss_fn, self.optimizer, self.data.global_batch, members.mesh)
             self._steps[key] = fn
         return fn
+
+    def _replicated(self, state: TrainState, m: Members) -> tuple[PyTree, PyTree]:
+        """``state`` as replicated global arrays on ``m.mesh``; free when the last step's
+        outputs already are exactly that."""
+        g = self._global
+        if (g is not None and g[0] == tuple(d.id for d in m.devices) and g[1] is state.params
+                and g[2] is state.opt_state):
+            return g[3], g[4]
+        return _replicate(state.params, m.mesh), _replicate(state.opt_state, m.mesh)
 
     # -- joiners ------------------------------------------------------------------------
     def _sync_state(self, m: Members) -> tuple[TrainState, dict | None]:
@@ -199,8 +211,7 @@ class ElasticTrainer:
                 step = state.step
                 fn = self._train_step(m)
                 batch, mask = shard_batch(self.data.batch(step), m.mesh, self.group.axis_name, self.micro_batch)
-                params, opt_state, loss = fn(_replicate(state.params, m.mesh),
-                                             _replicate(state.opt_state, m.mesh), batch, mask)
+                params, opt_state, loss = fn(*self._replicated(state, m), batch, mask)
                 jax.block_until_ready((params, opt_state, loss))
                 self.faults.point("after-grad", step)
                 new_params = _local(params)
@@ -217,6 +228,8 @@ class ElasticTrainer:
             self.events.log("join", step=rehydrated["from_step"], process=self.group.process_id)
             self.events.log("rehydrated", **rehydrated)
         self.state = TrainState(step + 1, new_params, _local(opt_state))
+        self._global = (tuple(d.id for d in m.devices), self.state.params, self.state.opt_state,
+                        params, opt_state)
         self.last_loss = loss
         record = StepRecord(step, loss, m.process_ids, m.generation)
         self.events.log("commit", step=step, members=list(m.process_ids), generation=m.generation, loss=loss)
