@@ -2,6 +2,8 @@
 
 Plain single process:   python examples/mlp.py --steps 30
 Three processes:        jaxft launch -n 3 --run-dir runs/mlp -- python examples/mlp.py --steps 30
+With checkpoints:       jaxft launch -n 3 --restart on-failure --run-dir runs/mlp -- \
+                            python examples/mlp.py --steps 30 --checkpoint_every 5
 """
 
 from absl import app, flags
@@ -18,6 +20,10 @@ flags.DEFINE_integer("hidden", 64, "hidden width")
 flags.DEFINE_float("learning_rate", 1e-2, "Adam learning rate")
 flags.DEFINE_integer("num_examples", 4096, "dataset size")
 flags.DEFINE_float("step_sleep", 0.0, "seconds to sleep after each commit (to stretch demos)")
+flags.DEFINE_integer("checkpoint_every", 0, "async Orbax checkpoint every K committed steps (0: off); "
+                     "on start, restore the latest complete checkpoint if there is one")
+flags.DEFINE_string("checkpoint_dir", None, "checkpoint directory (default: $JAXFT_RUN_DIR/checkpoints)")
+flags.DEFINE_integer("keep", 3, "complete checkpoints to keep (max_to_keep; 0: keep all)")
 
 
 def make_dataset(num_examples: int, features: int = 16):
@@ -59,6 +65,8 @@ def loss_fn(params, batch):
 
 def main(argv):
     del argv
+    if FLAGS.checkpoint_every:
+        from jaxft import checkpoint  # noqa: F401 - Orbax imports slowly: do it before joining the job
     rt = jaxft.initialize()  # before any other JAX use
     import time
 
@@ -70,7 +78,26 @@ def main(argv):
     params = jax.tree_util.tree_map(np.asarray, init_params(FLAGS.seed, dataset["x"].shape[1], FLAGS.hidden))
     data = jaxft.GlobalBatches(dataset, FLAGS.global_batch, seed=FLAGS.seed)
 
+    ckpt = None
+    if FLAGS.checkpoint_every:
+        import os
+
+        from jaxft import envvars
+
+        directory = FLAGS.checkpoint_dir
+        if directory is None:
+            run_dir = os.environ.get(envvars.RUN_DIR)
+            if not run_dir:
+                raise app.UsageError("--checkpoint_every needs --checkpoint_dir or a run directory "
+                                     "(jaxft launch --run-dir sets $JAXFT_RUN_DIR)")
+            directory = os.path.join(run_dir, "checkpoints")
+        ckpt = jaxft.ElasticCheckpointer(
+            directory, every=FLAGS.checkpoint_every, keep=FLAGS.keep or None, runtime=rt, data=data,
+            metadata={"model": "mlp", "hidden": FLAGS.hidden, "init_seed": FLAGS.seed})
+
     def on_commit(trainer, record):
+        if ckpt is not None:
+            ckpt.on_commit(trainer, record)
         if record.step % 10 == 0 or record.step == FLAGS.steps - 1:
             print(f"step {record.step:4d} loss {record.loss:.5f} members {list(record.members)}", flush=True)
         if FLAGS.step_sleep:
@@ -79,7 +106,13 @@ def main(argv):
     trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params, data, runtime=rt,
                                    micro_batch=FLAGS.micro_batch or None, check_every=FLAGS.check_every,
                                    on_commit=on_commit)
+    if ckpt is not None:
+        restored = ckpt.restore(trainer)  # cold restore: every process, independently
+        if restored is not None:
+            print(f"restored step {restored.step} from {restored.path}", flush=True)
     state = trainer.run(FLAGS.steps)
+    if ckpt is not None:
+        ckpt.close()
     print(f"done: step {state.step} loss {trainer.last_loss:.6f}", flush=True)
 
 

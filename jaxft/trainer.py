@@ -53,6 +53,7 @@ class StepRecord:
     loss: float
     members: tuple[int, ...]
     generation: int
+    incarnations: dict[int, int] = dataclasses.field(default_factory=dict)  # process -> service incarnation
 
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, global_batch: int,
@@ -231,7 +232,7 @@ class ElasticTrainer:
         self._global = (tuple(d.id for d in m.devices), self.state.params, self.state.opt_state,
                         params, opt_state)
         self.last_loss = loss
-        record = StepRecord(step, loss, m.process_ids, m.generation)
+        record = StepRecord(step, loss, m.process_ids, m.generation, dict(m.incarnations))
         self.events.log("commit", step=step, members=list(m.process_ids), generation=m.generation, loss=loss)
         if self.on_commit is not None:
             self.on_commit(self, record)

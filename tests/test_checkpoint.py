@@ -1,0 +1,454 @@
+"""Orbax async checkpoints on the live set, and a cold restart when every process dies.
+
+Real processes (``jaxft launch`` of examples/mlp.py, 2 workers, 30 tiny steps):
+
+* kill-all at step 13: every worker dies, each is restarted, all restore the newest
+  complete checkpoint (10, or 5 if the async write of 10 had not been published), train
+  to 30 and end where a fault-free run ends; only steps from the restored one on are
+  committed twice.
+* a worker killed while a save is in flight: the save is published by the survivor or
+  abandoned, and every checkpoint that exists restores completely.
+* process 0 dead for good: process 1 alone is the primary and writes complete
+  checkpoints.
+* a truncated checkpoint file: the next run (with another number of processes) rejects
+  that checkpoint by name and restores the previous one.
+
+And in a fresh interpreter: save/restore round trip of a pytree of many dtypes,
+corruption detection, model mismatch.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MLP = str(REPO / "examples" / "mlp.py")
+STEPS = 30
+EVERY = 5
+RTOL = 1e-5
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("JAXFT_", "XLA_PYTHON_CLIENT_")) and k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _events(run_dir: Path) -> list[dict]:
+    out = []
+    path = run_dir / "events.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def _of(events, name, **match):
+    return [e for e in events if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
+
+
+def launch(run_dir: Path, *args: str, n: int = 2, faults=(), restart: str = "on-failure",
+           timeout: float = 240) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """``jaxft launch -n N --run-dir R [--fault F]... -- python examples/mlp.py ARGS``."""
+    cmd = [sys.executable, "-m", "jaxft.cli", "launch", "-n", str(n), "--run-dir", str(run_dir),
+           "--restart", restart]
+    for f in faults:
+        cmd += ["--fault", f]
+    cmd += ["--", sys.executable, MLP, *args]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=_env(),
+                          stdin=subprocess.DEVNULL)
+    proc.elapsed = time.monotonic() - t0
+    return proc, _events(run_dir)
+
+
+def _tail(proc, n: int = 4000) -> str:
+    return f"rc={proc.returncode}\n" + (proc.stdout + proc.stderr)[-n:]
+
+
+def _final_norms(events) -> list[float]:
+    return [e["params_norm"] for e in _of(events, "final")]
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _in_fresh_python(code: str, timeout: float = 120) -> dict:
+    """Run ``code`` in a new interpreter (JAX state must not leak into the test process);
+    it prints one JSON line last."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO, env=_env(), stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, _tail(proc)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _verify_dir(directory: str) -> dict:
+    """Restore every finalized checkpoint of ``directory`` (full validation) in a fresh interpreter."""
+    return _in_fresh_python(f"""
+import json, os
+from jaxft.checkpoint import CheckpointStore, CheckpointRejected
+store = CheckpointStore({directory!r}, process_id=0)
+out = {{"steps": store.steps(), "ok": [], "rejected": {{}}, "tmp": [], "norm": {{}}}}
+for step in out["steps"]:
+    try:
+        r = store.restore(step)
+    except CheckpointRejected as e:
+        out["rejected"][step] = e.reason
+        continue
+    out["ok"].append(step)
+    params = {{k: v for k, v in r.tree.items() if "_params_" in k}}
+    out["norm"][step] = float(sum(float((v.astype("float64") ** 2).sum()) for v in params.values()) ** 0.5)
+out["tmp"] = sorted(n for n in os.listdir({directory!r}) if "orbax-checkpoint-tmp" in n)
+print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> float:
+    """``params_norm`` after 30 steps of a fault-free run without checkpoints."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    proc, events = launch(run_dir, "--steps", str(STEPS), restart="never")
+    assert proc.returncode == 0, _tail(proc)
+    norms = _final_norms(events)
+    assert len(norms) == 2 and norms[0] == norms[1], norms
+    return norms[0]
+
+
+# -- (a) every process dies -------------------------------------------------------------------
+
+def test_kill_all_restarts_cold_from_the_latest_complete_checkpoint(tmp_path, reference):
+    run_dir = tmp_path / "run"
+    # --step_sleep leaves the async write of checkpoint 5 time to finish before the kill
+    # (10 may or may not be published by then: both outcomes are checked below).
+    proc, ev = launch(run_dir, "--steps", str(STEPS), "--checkpoint_every", str(EVERY), "--step_sleep", "0.1",
+                      faults=["kill-all:step=13"])
+    assert proc.returncode == 0, _tail(proc)
+
+    # Every worker died and was restarted once, on its own (launcher, --restart on-failure).
+    assert sorted(e["process"] for e in _of(ev, "restart")) == [0, 1], _of(ev, "restart")
+    assert sorted(e["process"] for e in _of(ev, "fault") if e.get("action") == "kill-all") == [0, 1]
+    kill_time = min(e["time"] for e in _of(ev, "fault"))
+
+    # Each restarted process restored, from the default $JAXFT_RUN_DIR/checkpoints.
+    restored = {e["process"]: e for e in _of(ev, "restored", incarnation=1)}
+    assert sorted(restored) == [0, 1], restored
+    steps = {p: e["step"] for p, e in restored.items()}
+    for e in restored.values():
+        assert e["path"] == str(run_dir / "checkpoints" / str(e["step"]))
+    assert not _of(ev, "checkpoint_rejected")
+    # A checkpoint published before the kill must be the one restored (newest complete).
+    published = {e["step"] for e in _of(ev, "checkpoint_saved", incarnation=0) if e["time"] < kill_time}
+    assert max(published) in (5, 10), published
+    r = min(steps.values())
+    assert r in (5, 10) and r >= max(published), (steps, published)
+    # Restored processes agree: all restarted from the same directory with no writer alive.
+    # (A process that came up much later could find a newer checkpoint written by an early
+    # peer in the new life; the trainer would rehydrate the older one, so only then differ.)
+    for p, s in steps.items():
+        if s != r:
+            assert any(e["step"] == s for e in _of(ev, "checkpoint_started", incarnation=1)), (steps, p)
+
+    # Only steps from the restored one on are committed twice.
+    commits = collections.Counter((e["process"], e["step"]) for e in _of(ev, "commit"))
+    for (p, s), count in commits.items():
+        assert count <= 2, (p, s, count)
+        if count == 2:
+            assert r <= s < 13, (p, s)
+    for p in (0, 1):
+        # A process that came up late may have been rehydrated past some steps by its peer.
+        late = bool(_of(ev, "rehydrated", process=p, incarnation=1))
+        for s in range(STEPS):
+            expected = 2 if steps[p] <= s < 13 else 1
+            if late:
+                assert commits[(p, s)] <= expected, (p, s, commits[(p, s)], steps)
+            else:
+                assert commits[(p, s)] == expected, (p, s, commits[(p, s)], steps)
+    first_after = min(e["step"] for e in _of(ev, "commit", incarnation=1))
+    assert first_after == r
+
+    # It ends where a run without failures ends.
+    norms = _final_norms(ev)
+    assert len(norms) == 2 and norms[0] == norms[1], norms
+    assert _rel(norms[0], reference) < RTOL, (norms[0], reference)
+
+    # What is left: the last --keep 3 checkpoints, all complete, no temporaries.
+    check = _verify_dir(str(run_dir / "checkpoints"))
+    assert check["steps"] == [20, 25, 30] and check["ok"] == [20, 25, 30], check
+    assert check["tmp"] == [], check
+    assert _rel(check["norm"]["30"], reference) < RTOL
+    print(f"\nkill-all at 13: restored step {steps} (published before the kill: {sorted(published)}); "
+          f"run took {proc.elapsed:.1f} s")
+
+
+# -- (b) a process dies while a save is in flight ----------------------------------------------
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["non-primary", "primary"])
+def test_kill_during_save_never_leaves_a_partial_checkpoint(tmp_path, reference, victim):
+    run_dir = tmp_path / "run"
+    ckpt_dir = tmp_path / "ckpt"
+    # Checkpoint 10 (the state after 10 steps) is saved at the commit of step index 9;
+    # the during-save fault point fires with 10 once the async save has started.
+    proc, ev = launch(run_dir, "--steps", str(STEPS), "--checkpoint_every", str(EVERY), "--keep", "0",
+                      "--checkpoint_dir", str(ckpt_dir),
+                      faults=[f"kill:process={victim}:step=10:phase=during-save"])
+    assert proc.returncode == 0, _tail(proc)
+    survivor = 1 - victim
+
+    fault = _of(ev, "fault", process=victim, phase="during-save")
+    assert len(fault) == 1 and fault[0]["step"] == 10, fault
+    started = _of(ev, "checkpoint_started", process=victim, incarnation=0, step=10)
+    assert started and started[0]["time"] <= fault[0]["time"], "the save had started before the kill"
+
+    # The survivor's save of 10 either finished (published without the dead member) or
+    # was abandoned; never both, never neither.
+    saved = _of(ev, "checkpoint_saved", process=survivor, step=10)
+    abandoned = _of(ev, "checkpoint_abandoned", process=survivor, step=10)
+    assert len(saved) + len(abandoned) == 1, (saved, abandoned)
+
+    # The restarted victim restored the newest complete checkpoint (5, or 10 if it was
+    # published; or a later one if the survivor went on alone and saved it meanwhile) and
+    # was brought up to date by the trainer.
+    restored = _of(ev, "restored", process=victim, incarnation=1)
+    assert len(restored) == 1, restored
+    r = restored[0]["step"]
+    published = {e["step"]: e["time"] for e in _of(ev, "checkpoint_saved", process=survivor)}
+    assert r == 5 or r in published, (r, published)
+    assert r != 10 or saved, (r, abandoned)
+    assert r >= max(s for s in [5, *published] if published.get(s, 0) < restored[0]["time"] - 1.0), (r, published)
+    assert not _of(ev, "checkpoint_rejected")
+    first_commit = min(e["step"] for e in _of(ev, "commit", process=victim, incarnation=1))
+    assert first_commit == r or _of(ev, "rehydrated", process=victim), (r, first_commit)
+
+    norms = _final_norms(ev)
+    assert len(norms) == 2 and norms[0] == norms[1], norms
+    assert _rel(norms[0], reference) < RTOL, (norms[0], reference)
+
+    # Every checkpoint that exists restores completely; 10 exists iff it was published.
+    check = _verify_dir(str(ckpt_dir))
+    expected = [5, 10, 15, 20, 25, 30] if saved else [5, 15, 20, 25, 30]
+    assert check["steps"] == expected and check["ok"] == expected, check
+    assert check["rejected"] == {} and check["tmp"] == [], check
+    assert _rel(check["norm"]["30"], reference) < RTOL
+    print(f"\nkill process {victim} during save 10: {'published' if saved else 'abandoned'}; "
+          f"victim restored {r}; run took {proc.elapsed:.1f} s")
+
+
+def test_live_subset_without_process_0_saves_complete_checkpoints(tmp_path, reference):
+    """Process 0 dies for good: process 1 alone is the primary and writes everything
+    (Orbax's numpy handler would write replicated arrays from process 0 only)."""
+    run_dir = tmp_path / "run"
+    proc, ev = launch(run_dir, "--steps", str(STEPS), "--checkpoint_every", str(EVERY), "--keep", "0",
+                      faults=["kill:process=0:step=7"], restart="never")
+    assert proc.returncode == 1, _tail(proc)  # process 0 failed and stayed dead
+    saved = {e["step"]: e for e in _of(ev, "checkpoint_saved", process=1)}
+    # Checkpoint 5 (members 0 and 1, primary 0) was published, or abandoned if process 0
+    # died before publishing it; from 10 on, process 1 saves alone.
+    assert sorted(saved) in ([5, 10, 15, 20, 25, 30], [10, 15, 20, 25, 30]), sorted(saved)
+    if 5 in saved:
+        assert saved[5]["processes"] == [0, 1] and not saved[5]["primary"]
+    else:
+        assert _of(ev, "checkpoint_abandoned", process=1, step=5)
+    for step in (10, 15, 20, 25, 30):
+        assert saved[step]["processes"] == [1] and saved[step]["primary"], saved[step]
+    norms = _final_norms(ev)
+    assert len(norms) == 1 and _rel(norms[0], reference) < RTOL, (norms, reference)
+    check = _verify_dir(str(run_dir / "checkpoints"))
+    assert check["ok"] == sorted(saved) and check["rejected"] == {} and check["tmp"] == [], check
+    assert _rel(check["norm"]["30"], reference) < RTOL
+
+
+# -- (c) a corrupt checkpoint --------------------------------------------------------------------
+
+def test_truncated_checkpoint_is_rejected_and_the_previous_one_restored(tmp_path, reference):
+    ckpt_dir = tmp_path / "ckpt"
+    first, ev1 = launch(tmp_path / "run1", "--steps", "15", "--checkpoint_every", str(EVERY),
+                        "--checkpoint_dir", str(ckpt_dir), n=1)
+    assert first.returncode == 0, _tail(first)
+    assert sorted(e["step"] for e in _of(ev1, "checkpoint_saved")) == [5, 10, 15]
+
+    # Truncate the largest data file of checkpoint 15 (Orbax/OCDBT data of the params).
+    files = [f for f in glob.glob(str(ckpt_dir / "15" / "**" / "d" / "*"), recursive=True) if os.path.isfile(f)]
+    victim = max(files, key=os.path.getsize)
+    size = os.path.getsize(victim)
+    with open(victim, "r+b") as f:
+        f.truncate(size // 2)
+
+    # A new run, with another number of processes, over the same directory.
+    run_dir = tmp_path / "run2"
+    proc, ev = launch(run_dir, "--steps", str(STEPS), "--checkpoint_every", str(EVERY),
+                      "--checkpoint_dir", str(ckpt_dir), n=2)
+    assert proc.returncode == 0, _tail(proc)
+    rejected = _of(ev, "checkpoint_rejected")
+    assert rejected, "the truncated checkpoint was not reported"
+    for e in rejected:
+        assert e["path"] == str(ckpt_dir / "15") and e["step"] == 15, e
+        assert e["reason"], e
+    restored = _of(ev, "restored")
+    assert sorted(e["process"] for e in restored) == [0, 1], restored
+    assert all(e["step"] == 10 and e["path"] == str(ckpt_dir / "10") for e in restored), restored
+    # Nothing trained on the broken state: training resumed at step 10 and ends as a
+    # fault-free run does.
+    assert min(e["step"] for e in _of(ev, "commit")) == 10
+    norms = _final_norms(ev)
+    assert len(norms) == 2 and norms[0] == norms[1] and _rel(norms[0], reference) < RTOL, (norms, reference)
+    # The rejected checkpoint was moved aside, so step 15 could be saved again.
+    moved = [e["moved_to"] for e in rejected if e.get("moved_to")]
+    assert len(moved) == 1 and os.path.isdir(moved[0]) and Path(moved[0]).parent == ckpt_dir / "rejected"
+    assert 15 in [e["step"] for e in _of(ev, "checkpoint_saved")]
+    print(f"\ntruncated {os.path.relpath(victim, ckpt_dir)} ({size} -> {size // 2} bytes): rejected "
+          f"{rejected[0]['reason'][:80]!r}; restored 10")
+
+
+# -- (d) single process, in a fresh interpreter ---------------------------------------------------
+
+UNIT = r"""
+import collections, glob, json, os, sys
+import numpy as np
+import ml_dtypes
+from jaxft.checkpoint import (CheckpointMismatch, CheckpointStore, state_checksum, flatten_state,
+                              _PrimaryNumpyHandler, _set_orbax_barrier_timeout)
+from jaxft.events import EventLog, read_events
+
+root = sys.argv[1]
+Adam = collections.namedtuple("Adam", "count mu")
+tree = {
+    "f32": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4),
+    "bf16": np.arange(5).astype(ml_dtypes.bfloat16),
+    "f16": np.array([1.5, -2.25], np.float16),
+    "f64": np.array(np.pi),                       # 0-d
+    "i8": np.array([-128, 127], np.int8),
+    "i32": np.arange(6, dtype=np.int32).reshape(2, 3),
+    "i64": np.array([2 ** 40, -3], np.int64),
+    "u8": np.array([0, 255], np.uint8),
+    "u32": np.array([7], np.uint32),
+    "bool": np.array([True, False, True]),
+    "c64": np.array([1 + 2j], np.complex64),
+    "empty": np.zeros((0, 3), np.float32),       # Orbax refuses zero-size arrays: kept in metadata
+    "opt": (Adam(np.array(3, np.int32), {"w": np.ones((2, 2), np.float32)}), ()),
+}
+import jax, jax.numpy as jnp
+tree["jax_f32"] = jnp.arange(4, dtype=jnp.float32)
+tree["jax_bf16"] = jnp.ones((2,), jnp.bfloat16)
+
+events = EventLog(root, 0)
+store = CheckpointStore(os.path.join(root, "ck"), keep=3, events=events, process_id=0)
+out = {"empty_before": store.restore_latest(tree) is None}
+for step in (1, 2, 3, 4):
+    save = store.save(step, tree, metadata={"note": "unit"})
+    assert save.wait(60) and save.ok, save.reason
+out["steps"] = store.steps()
+
+r = store.restore_latest(tree)
+out["restored"] = r.step
+assert jax.tree_util.tree_structure(r.tree) == jax.tree_util.tree_structure(tree)
+for a, b in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(r.tree)):
+    a = np.asarray(a)
+    assert type(b) is np.ndarray and b.dtype == a.dtype and b.shape == a.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    assert np.array_equal(a, b), (a, b)
+named, _, _ = flatten_state(tree)
+out["checksum_ok"] = r.metadata["checksum"] == state_checksum(4, named)
+out["user_meta"] = r.metadata["user"]["note"]
+out["dtypes"] = sorted({str(np.asarray(x).dtype) for x in jax.tree_util.tree_leaves(r.tree)})
+
+# A corrupt newest checkpoint: rejected by name, moved aside, the previous one restored.
+files = [f for f in glob.glob(os.path.join(root, "ck", "4", "**", "d", "*"), recursive=True) if os.path.isfile(f)]
+big = max(files, key=os.path.getsize)
+data = bytearray(open(big, "rb").read()); data[len(data) // 2] ^= 0x5A; open(big, "wb").write(data)
+r = store.restore_latest(tree)
+out["after_flip"] = r.step
+rej = [e for e in read_events(root) if e["event"] == "checkpoint_rejected"]
+out["rejected"] = [(e["step"], os.path.basename(e["path"]), e["reason"].split(":")[0]) for e in rej]
+out["moved"] = sorted(os.listdir(os.path.join(root, "ck", "rejected")))
+out["steps_after"] = store.steps()
+# The step can be saved again once the broken copy is out of the way.
+save = store.save(4, tree); assert save.wait(60) and save.ok, save.reason
+out["resaved"] = store.restore_latest(tree).step
+
+# Data that reads back but differs from what was saved: the stored SHA-256 catches it.
+other_store = CheckpointStore(os.path.join(root, "ck2"), events=events, process_id=0)
+assert other_store.save(1, tree).wait(60)
+meta_file = os.path.join(root, "ck2", "1", "_CHECKPOINT_METADATA")
+meta = json.load(open(meta_file))
+meta["custom_metadata"]["checksum"] = "sha256:" + "0" * 64
+json.dump(meta, open(meta_file, "w"))
+out["tampered"] = other_store.restore_latest(tree) is None
+out["tampered_reason"] = [e["reason"] for e in read_events(root)
+                          if e["event"] == "checkpoint_rejected" and "ck2" in e["path"]]
+
+# An intact checkpoint of another model is an error, not a silent fresh start.
+other = dict(tree); other["f32"] = np.zeros((4, 4), np.float32)
+try:
+    store.restore_latest(other)
+    out["mismatch"] = None
+except CheckpointMismatch as e:
+    out["mismatch"] = "does not match the model" in str(e)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.smoke
+def test_single_process_round_trip_of_many_dtypes(tmp_path):
+    out = _in_fresh_python(UNIT.replace("sys.argv[1]", repr(str(tmp_path))))
+    assert out["empty_before"] is True
+    assert out["steps"] == [2, 3, 4]  # keep=3
+    assert out["restored"] == 4
+    assert out["checksum_ok"] is True and out["user_meta"] == "unit"
+    assert {"bfloat16", "float16", "float32", "float64", "int8", "int32", "int64", "uint8", "uint32", "bool",
+            "complex64"} <= set(out["dtypes"])
+    assert out["after_flip"] == 3
+    assert [r[:2] for r in out["rejected"]] == [[4, "4"]] and out["rejected"][0][2], out["rejected"]
+    assert len(out["moved"]) == 1 and out["moved"][0].startswith("4.")
+    assert out["steps_after"] == [2, 3]
+    assert out["resaved"] == 4
+    assert out["mismatch"] is True
+    assert out["tampered"] is True and out["tampered_reason"][0].startswith("checksum mismatch")
+
+
+@pytest.mark.smoke
+def test_orbax_private_names_still_exist():
+    """jaxft.checkpoint uses a few private Orbax names (pinned 0.12.x); fail loudly if they move."""
+    out = _in_fresh_python("""
+import json, inspect
+import orbax.checkpoint as ocp
+from orbax.checkpoint._src.multihost import multihost
+from orbax.checkpoint._src.serialization import ocdbt_utils, tensorstore_utils, type_handlers
+from orbax.checkpoint._src.path import step
+from orbax.checkpoint._src.checkpointers import async_checkpointer
+from orbax.checkpoint._src.futures import future, synchronization
+from jax._src.lib import _jax
+h = type_handlers.NumpyHandler()
+src = inspect.getsource(async_checkpointer._background_wait_for_commit_futures)
+print(json.dumps({
+  "timeout": isinstance(multihost._DEFAULT_BARRIER_TIMEOUT, int),
+  "write_spec": callable(tensorstore_utils.build_array_write_spec),
+  "subdir": callable(ocdbt_utils.get_process_index_for_subdir),
+  "finalized": callable(step.is_path_finalized),
+  "handler": all(hasattr(h, a) for a in ("_open_and_write", "_metadata_key", "_override_ocdbt_process_id",
+                                          "_background_serialize")),
+  "barrier_hook": all(k in src for k in ("async_write_complete", "async_commit_complete", "on_commit_callback()")),
+  "finalize_flag": ("ThreadSaveMultiHostValueHolder:set_value_start" in inspect.getsource(synchronization)
+                    and "_save_progress_tracker.set(False)" in inspect.getsource(ocp.CheckpointManager._finalize)),
+  "numpy_process0": "multihost.process_index() == 0" in inspect.getsource(type_handlers.NumpyHandler),
+  "signal_prefix": isinstance(future.AwaitableSignalsContract.awaitable_signals_contract_prefix, str),
+  "preemption_hook": callable(getattr(ocp.CheckpointManager, "reached_preemption", None)),
+  "kv_client": all(hasattr(_jax.DistributedRuntimeClient, m) for m in
+                   ("key_value_dir_get", "key_value_try_get", "key_value_delete", "key_value_set")),
+}))
+""")
+    assert all(out.values()), out
