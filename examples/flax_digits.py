@@ -1,8 +1,8 @@
 """A flax CNN + optax on scikit-learn's handwritten digits (shipped with the package).
 
     python examples/flax_digits.py --steps 50                      # one process
-    jaxft launch -n 4 --restart on-failure --run-dir runs/digits \
-        --fault kill:process=0:step=15 -- python examples/flax_digits.py --steps 60
+    jaxft launch -n 4 --restart on-failure --run-dir runs/digits --fault kill-all:step=40 \
+        --fault kill:process=0:step=15 -- python examples/flax_digits.py --steps 60 --checkpoint_every 10
 
 Nothing is downloaded: ``sklearn.datasets.load_digits`` reads 1797 8x8 images from the
 installed package. The model's params are an ordinary flax pytree, so ElasticTrainer
@@ -20,6 +20,8 @@ flags.DEFINE_float("learning_rate", 3e-3, "Adam learning rate")
 flags.DEFINE_integer("micro_batch", 0, "examples per device per micro-batch (0: no accumulation)")
 flags.DEFINE_integer("check_every", 20, "verify bitwise-identical params every N steps")
 flags.DEFINE_float("step_sleep", 0.0, "seconds to sleep after each commit (to stretch demos)")
+flags.DEFINE_integer("checkpoint_every", 0, "async Orbax checkpoint every K steps (0: off); restores on start")
+flags.DEFINE_string("checkpoint_dir", None, "checkpoint directory (default: $JAXFT_RUN_DIR/checkpoints)")
 FLAGS = flags.FLAGS
 
 
@@ -51,6 +53,8 @@ def make_model():
 
 
 def main(_):
+    if FLAGS.checkpoint_every:
+        from jaxft import checkpoint  # noqa: F401 - Orbax imports slowly: do it before joining the job
     rt = jaxft.initialize()  # before any other JAX use
     import time
 
@@ -66,17 +70,29 @@ def main(_):
         logits = model.apply({"params": params}, batch["x"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"])
 
+    data = jaxft.GlobalBatches(train, FLAGS.global_batch, seed=FLAGS.seed)
+    ckpt = None
+    if FLAGS.checkpoint_every:
+        from jaxft.checkpoint import resolve_directory
+
+        ckpt = jaxft.ElasticCheckpointer(resolve_directory(FLAGS.checkpoint_dir), every=FLAGS.checkpoint_every,
+                                         runtime=rt, data=data, metadata={"model": "flax_digits_cnn"})
+
     def on_commit(trainer, record):
+        if ckpt is not None:
+            ckpt.on_commit(trainer, record)
         if record.step % 10 == 0:
             print(f"step {record.step:4d} loss {record.loss:.4f} members {list(record.members)}", flush=True)
         if FLAGS.step_sleep:
             time.sleep(FLAGS.step_sleep)
 
-    trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params,
-                                   jaxft.GlobalBatches(train, FLAGS.global_batch, seed=FLAGS.seed),
-                                   runtime=rt, micro_batch=FLAGS.micro_batch or None,
+    trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params, data, runtime=rt, micro_batch=FLAGS.micro_batch or None,
                                    check_every=FLAGS.check_every, on_commit=on_commit)
+    if ckpt is not None and (restored := ckpt.restore(trainer)) is not None:
+        print(f"restored step {restored.step} from {restored.path}", flush=True)
     state = trainer.run(FLAGS.steps)
+    if ckpt is not None:
+        ckpt.close()
     logits = model.apply({"params": jax.tree_util.tree_map(np.asarray, state.params)}, test["x"])
     accuracy = float((np.asarray(logits).argmax(-1) == test["y"]).mean())
     rt.events.log("eval", step=state.step, test_accuracy=accuracy)

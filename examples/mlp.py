@@ -80,20 +80,11 @@ def main(argv):
 
     ckpt = None
     if FLAGS.checkpoint_every:
-        import os
+        from jaxft.checkpoint import resolve_directory
 
-        from jaxft import envvars
-
-        directory = FLAGS.checkpoint_dir
-        if directory is None:
-            run_dir = os.environ.get(envvars.RUN_DIR)
-            if not run_dir:
-                raise app.UsageError("--checkpoint_every needs --checkpoint_dir or a run directory "
-                                     "(jaxft launch --run-dir sets $JAXFT_RUN_DIR)")
-            directory = os.path.join(run_dir, "checkpoints")
-        ckpt = jaxft.ElasticCheckpointer(
-            directory, every=FLAGS.checkpoint_every, keep=FLAGS.keep or None, runtime=rt, data=data,
-            metadata={"model": "mlp", "hidden": FLAGS.hidden, "init_seed": FLAGS.seed})
+        ckpt = jaxft.ElasticCheckpointer(resolve_directory(FLAGS.checkpoint_dir), every=FLAGS.checkpoint_every,
+                                         keep=FLAGS.keep or None, runtime=rt, data=data,
+                                         metadata={"model": "mlp", "hidden": FLAGS.hidden, "init_seed": FLAGS.seed})
 
     def on_commit(trainer, record):
         if ckpt is not None:

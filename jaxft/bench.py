@@ -23,6 +23,7 @@ import threading
 import time
 
 from jaxft.events import read_events
+from jaxft.report import first_commits, recovery_times
 
 
 def _launch(n: int, args: list[str], run_dir: str) -> None:
@@ -184,22 +185,17 @@ def _mlp() -> str:
 
 def run_figures(events: list[dict], steps: int) -> dict:
     """Training time, steps lost and recovery times of one run, from its events."""
-    first: dict[int, float] = {}
+    first = first_commits(events)
     counts: dict[tuple[int, int], int] = {}
-    for e in sorted((e for e in events if e["event"] == "commit"), key=lambda e: e["time"]):
-        first.setdefault(e["step"], e["time"])
-        counts[(e["process"], e["step"])] = counts.get((e["process"], e["step"]), 0) + 1
+    for e in events:
+        if e["event"] == "commit":
+            counts[(e["process"], e["step"])] = counts.get((e["process"], e["step"]), 0) + 1
     if sorted(first) != list(range(steps)):
         raise SystemExit(f"run did not commit steps 0..{steps - 1}")
     per_process: dict[int, int] = {}
     for (p, _), c in counts.items():
         per_process[p] = per_process.get(p, 0) + c - 1
-    recoveries = []
-    for f in (e for e in events if e["event"] == "fault"):
-        done = [s for s, t in first.items() if t <= f["time"]]
-        later = [t for s, t in first.items() if s > max(done, default=-1) and t > f["time"]]
-        if later:
-            recoveries.append(min(later) - f["time"])
+    _, recoveries = recovery_times(events)
     train_s = first[steps - 1] - first[0]
     return {"train_s": round(train_s, 3), "steps_per_s": round((steps - 1) / train_s, 3),
             "steps_lost": max(per_process.values(), default=0),

@@ -893,6 +893,19 @@ def _incarnations(record, trainer=None) -> dict[int, int] | None:
     return None
 
 
+def resolve_directory(directory: str | os.PathLike | None, environ=os.environ) -> str:
+    """``directory``, or ``$JAXFT_RUN_DIR/checkpoints`` (set by ``jaxft launch --run-dir``)."""
+    if directory is not None:
+        return os.fspath(directory)
+    from jaxft import envvars
+
+    run_dir = environ.get(envvars.RUN_DIR)
+    if not run_dir:
+        raise ValueError("checkpointing needs a directory: pass one, or run under "
+                         "jaxft launch --run-dir (which sets $JAXFT_RUN_DIR)")
+    return os.path.join(run_dir, "checkpoints")
+
+
 class ElasticCheckpointer:
     """Checkpoints an :class:`~jaxft.ElasticTrainer` every ``every`` committed steps.
 

@@ -9,24 +9,45 @@ from typing import Any
 from jaxft.events import read_events
 
 
+def first_commits(events: list[dict]) -> dict[int, float]:
+    """Step -> time of its first commit by any process."""
+    first: dict[int, float] = {}
+    for e in sorted((e for e in events if e["event"] == "commit"), key=lambda e: e["time"]):
+        first.setdefault(e["step"], e["time"])
+    return first
+
+
+def recovery_times(events: list[dict]) -> tuple[list[float], list[float]]:
+    """Fault incidents (start times) and, for each, seconds until progress resumed.
+
+    An incident is a burst of faults (a kill-all fires once per process, within a
+    second); its recovery runs to the first commit of a step not committed before it.
+    """
+    first_commit = first_commits(events)
+    faults = [e for e in events if e["event"] == "fault"]
+    incidents: list[float] = []
+    for f in sorted(faults, key=lambda e: e["time"]):
+        if not incidents or f["time"] - incidents[-1] > 1.0:
+            incidents.append(f["time"])
+    recoveries = []
+    for t_fault in incidents:
+        done = max((s for s, t in first_commit.items() if t <= t_fault), default=-1)
+        later = [t for s, t in first_commit.items() if s > done and t > t_fault]
+        if later:
+            recoveries.append(min(later) - t_fault)
+    return incidents, recoveries
+
+
 def summarize(events: list[dict]) -> dict[str, Any]:
     """Steps, failures survived, rejoins and time lost, from a run's events."""
     commits = [e for e in events if e["event"] == "commit"]
     steps = sorted({e["step"] for e in commits})
-    first_commit = {}
-    for e in commits:
-        first_commit.setdefault(e["step"], e["time"])
     faults = [e for e in events if e["event"] == "fault"]
     kills = [e for e in events if e["event"] == "exit" and e.get("signal") == "SIGKILL"]
     failed_steps = [e for e in events if e["event"] == "step_failed"]
     rehydrated = [e for e in events if e["event"] == "rehydrated"]
     restores = [e for e in events if e["event"] == "restored"]
-    # recovery: from each injected fault to the next step committed after it
-    recoveries = []
-    for f in faults:
-        later = [t for t in first_commit.values() if t > f["time"]]
-        if later:
-            recoveries.append(min(later) - f["time"])
+    incidents, recoveries = recovery_times(events)
     start = min((e["time"] for e in events if e["event"] in ("run_start", "launch")), default=None)
     end = max((e["time"] for e in events if e["event"] in ("run_end", "final")), default=None)
     widths = {}
@@ -36,6 +57,7 @@ def summarize(events: list[dict]) -> dict[str, Any]:
         "steps_committed": len(steps),
         "last_step": steps[-1] if steps else None,
         "faults_injected": len(faults),
+        "incidents": len(incidents),
         "processes_killed": len(kills),
         "failed_step_attempts": len({e["step"] for e in failed_steps}),
         "rejoins": len(rehydrated),
@@ -56,7 +78,8 @@ def format_summary(s: dict[str, Any]) -> str:
         f"steps retried       {s['failed_step_attempts']}",
         f"rejoins             {s['rejoins']} (rehydrated from a live peer)",
         f"checkpoint restores {s['restores']}",
-        f"time lost           {s['time_lost_s']} s (mean recovery {s['mean_recovery_s']} s per fault)",
+        f"time lost           {s['time_lost_s']} s over {s['incidents']} incidents "
+        f"(mean recovery {s['mean_recovery_s']} s: fault -> next new step committed)",
         f"width               min {s['min_width']}, final {s['final_width']} processes",
         f"wall time           {s['wall_s']} s",
         f"final params        {', '.join(s['final_sha256']) or '-'}"
