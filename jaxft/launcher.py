@@ -218,7 +218,7 @@ class Launcher:
                                 source="launcher")
                 for w in self.workers:
                     self._start(w, coordinator, fault_dir)
-                exit_code = self._supervise(coordinator, fault_dir, t0)
+                exit_code = self._supervise(coordinator, fault_dir, time.time())  # after= counts from here
         finally:
             self._terminate_all()
             for s, h in old_handlers.items():

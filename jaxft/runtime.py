@@ -6,6 +6,8 @@ import contextlib
 import dataclasses
 import os
 import shlex
+import socket
+import time
 from typing import Iterator, Sequence
 
 from jaxft import envvars
@@ -60,8 +62,8 @@ def merge_xla_flags(existing: str, wanted: dict[str, str]) -> str:
     """
     tokens = shlex.split(existing or "")
     present = {t.lstrip("-").split("=", 1)[0] for t in tokens if t.startswith("--")}
-    tokens += [f"--{k}={v}" for k, v in wanted.items() if k not in present]
-    return " ".join(tokens)
+    added = [f"--{k}={v}" for k, v in wanted.items() if k not in present]
+    return " ".join(filter(None, [(existing or "").strip(), *added]))  # the user's text verbatim
 
 
 def configure_environment(collective_timeout: int, environ=os.environ) -> None:
@@ -182,9 +184,12 @@ def initialize(coordinator_address: str | None = None,
     num_processes = _resolve(num_processes, envvars.NUM_PROCESSES, environ)
     process_id = _resolve(process_id, envvars.PROCESS_ID, environ)
     local_device_ids = _resolve(local_device_ids, envvars.LOCAL_DEVICE_IDS, environ, _parse_ids)
-    heartbeat_timeout = _resolve(heartbeat_timeout, envvars.HEARTBEAT_TIMEOUT, environ) or DEFAULT_HEARTBEAT_TIMEOUT
-    collective_timeout = (_resolve(collective_timeout, envvars.COLLECTIVE_TIMEOUT, environ)
-                          or DEFAULT_COLLECTIVE_TIMEOUT)
+    heartbeat_timeout = _resolve(heartbeat_timeout, envvars.HEARTBEAT_TIMEOUT, environ)
+    if heartbeat_timeout is None:
+        heartbeat_timeout = DEFAULT_HEARTBEAT_TIMEOUT
+    collective_timeout = _resolve(collective_timeout, envvars.COLLECTIVE_TIMEOUT, environ)
+    if collective_timeout is None:
+        collective_timeout = DEFAULT_COLLECTIVE_TIMEOUT
     if external_coordinator is None:
         external_coordinator = environ.get(envvars.EXTERNAL_COORDINATOR, "0") == "1"
     run_dir = run_dir or environ.get(envvars.RUN_DIR) or None
@@ -216,12 +221,20 @@ def initialize(coordinator_address: str | None = None,
     configure_environment(collective_timeout, environ)
     jax.config.update("jax_enable_recoverability", True)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # A peer that dies while the CPU backends exchange topologies would otherwise leave
+    # the others waiting 2 + 5 minutes; fail in 1 + 2 instead (minutes are the unit).
+    jax.config.update("jax_cpu_get_local_topology_timeout_minutes", 1)
+    jax.config.update("jax_cpu_get_global_topology_timeout_minutes", 2)
 
     kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
                   process_id=process_id, heartbeat_timeout_seconds=int(heartbeat_timeout),
                   initialization_timeout=int(initialization_timeout))
     if local_device_ids is not None:
         kwargs["local_device_ids"] = list(local_device_ids)
+    if external_coordinator or process_id != 0:
+        # jaxlib aborts the whole process (SIGABRT) when registration times out; find an
+        # unreachable coordinator ourselves and say so.
+        _wait_reachable(coordinator_address, initialization_timeout, process_id)
     guard = _no_service_start() if external_coordinator else contextlib.nullcontext()
     try:
         with guard:
@@ -257,6 +270,27 @@ def _clear_stale_topology(process_id: int) -> None:
             client.key_value_delete(key)
         except Exception:  # absent on a first start
             pass
+
+
+def _wait_reachable(address: str, timeout: float, process_id: int) -> None:
+    """Return once a TCP connection to ``address`` succeeds; InitializeError after ``timeout``."""
+    host, _, port = address.rpartition(":")
+    try:
+        port_number = int(port)
+    except ValueError:
+        raise InitializeError(f"coordinator address {address!r} is not host:port") from None
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), port_number), timeout=1.0):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise InitializeError(
+                    f"could not connect process {process_id} to the coordination service at "
+                    f"{address} within {timeout} s ({e.strerror or e}); is the coordinator "
+                    "(jaxft launch / jaxft coordinator) running?") from None
+            time.sleep(0.2)
 
 
 def _fault_logger(events: EventLog):

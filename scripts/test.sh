@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Run jaxft's tests: the whole suite on Python 3.11 (.venv), then the `smoke` subset on
+# Python 3.12 (.venv312, newest jax allowed by pyproject.toml) when a 3.12 interpreter exists.
+# Arguments are passed to the main pytest run, e.g. `scripts/test.sh -x -k launcher`.
+# Exits non-zero if either run fails (pytest's exit 5, "no tests collected", included).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+log() { echo "== scripts/test.sh: $*"; }
+
+# setup_venv PYTHON DIR: create DIR with PYTHON if missing, then install jaxft and test deps.
+setup_venv() {
+    local python=$1 dir=$2
+    if [ ! -x "$dir/bin/python" ]; then
+        log "creating $dir with $python ($("$python" --version 2>&1))"
+        "$python" -m venv "$dir" || return 1
+    fi
+    log "installing -e '.[test]' into $dir"
+    "$dir/bin/python" -m pip install -q -e '.[test]' || return 1
+}
+
+# find_python312: print the path of a working Python 3.12 interpreter, if any.
+find_python312() {
+    local candidates=() root p
+    if command -v pyenv >/dev/null 2>&1 && root=$(pyenv root 2>/dev/null); then
+        while IFS= read -r p; do candidates+=("$p"); done \
+            < <(ls -d "$root"/versions/3.12*/bin/python 2>/dev/null | sort -V -r)
+    fi
+    if p=$(command -v python3.12 2>/dev/null); then candidates+=("$p"); fi
+    for p in ${candidates[@]+"${candidates[@]}"}; do
+        if "$p" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; then
+            echo "$p"
+            return 0
+        fi
+    done
+    return 1
+}
+
+python311=python3
+if command -v python3.11 >/dev/null 2>&1 && python3.11 -c pass >/dev/null 2>&1; then
+    python311=python3.11
+fi
+
+python312=$(find_python312) || python312=""
+[ -n "$python312" ] || log "no Python 3.12 interpreter found; the smoke run on 3.12 is skipped"
+
+status=0
+if setup_venv "$python311" .venv; then
+    log "full suite on $(.venv/bin/python --version 2>&1)"
+    .venv/bin/python -m pytest "$@" || status=1
+else
+    log "FAILED to set up .venv"
+    status=1
+fi
+
+if [ -n "$python312" ]; then
+    if setup_venv "$python312" .venv312; then
+        log "smoke subset on $(.venv312/bin/python --version 2>&1)"
+        .venv312/bin/python -m pytest -q -m smoke || status=1
+    else
+        log "FAILED to set up .venv312"
+        status=1
+    fi
+fi
+exit $status

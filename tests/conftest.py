@@ -1,0 +1,36 @@
+import os
+import sys
+import uuid
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # `import helpers` from any test module
+
+import helpers  # noqa: E402
+
+
+def pytest_report_header(config):
+    import jax
+    import jaxlib
+
+    return f"jaxft tests: python {sys.version.split()[0]}, jax {jax.__version__}, jaxlib {jaxlib.__version__}"
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A fresh run directory for ``jaxft launch --run-dir`` (created by the launcher)."""
+    return tmp_path / "run"
+
+
+@pytest.fixture
+def marker():
+    """A unique string to put in a test's worker command lines.
+
+    Finding it with pgrep tells which processes a test started. At teardown any process
+    still carrying it is SIGKILLed by pid, and the test errors: it leaked processes.
+    """
+    tag = f"jaxft-test-{uuid.uuid4().hex[:12]}"
+    yield tag
+    leaked = helpers.kill_marked(tag)
+    if leaked:
+        pytest.fail(f"processes left running by the test (now killed): {leaked}")

@@ -1,0 +1,206 @@
+"""Shared helpers for the jaxft tests: run real processes, read what they left behind.
+
+Everything here starts real OS processes (``jaxft launch``, ``jaxft coordinator``, small
+Python scripts) with the interpreter running the tests, so the suite exercises exactly
+the installed package in the current virtual environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import jaxft
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+JAXFT = [PYTHON, "-m", "jaxft.cli"]  # the `jaxft` console script, run by this interpreter
+ALLREDUCE_WORKER = REPO / "tests" / "workers" / "allreduce.py"
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """os.environ without anything jaxft or XLA would pick up from an outer run."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("JAXFT_") and k not in ("XLA_FLAGS", "JAX_PLATFORMS")
+           and not k.startswith("XLA_PYTHON_CLIENT_")}
+    env["JAX_PLATFORMS"] = "cpu"  # the suite runs on CPU, also on a machine with a GPU
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+@dataclasses.dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+    elapsed: float
+    args: Sequence[str]
+
+    def describe(self) -> str:
+        """A failure message with everything needed to see what happened."""
+        return (f"command: {' '.join(map(str, self.args))}\nreturncode: {self.returncode}, "
+                f"elapsed {self.elapsed:.1f} s\n--- stdout ---\n{self.stdout[-6000:]}\n"
+                f"--- stderr ---\n{self.stderr[-6000:]}")
+
+
+def run(args: Sequence[str], timeout: float = 60, env: dict | None = None,
+        cwd: str | os.PathLike | None = None) -> Result:
+    """Run a command to completion (killed at ``timeout``) and time it."""
+    args = [str(a) for a in args]
+    t0 = time.monotonic()
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+                          env=clean_env() if env is None else env, cwd=cwd or REPO,
+                          stdin=subprocess.DEVNULL)
+    return Result(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0, args)
+
+
+def run_jaxft(*args, timeout: float = 60, env: dict | None = None) -> Result:
+    """``jaxft ARGS...`` (the CLI), run to completion."""
+    return run([*JAXFT, *args], timeout=timeout, env=env)
+
+
+def run_python(code: str, *args, timeout: float = 60, env: dict | None = None) -> Result:
+    """``python -c CODE ARGS...`` with this interpreter."""
+    return run([PYTHON, "-c", code, *args], timeout=timeout, env=env)
+
+
+def launch(num_processes: int, command: Sequence[str], *options: str, run_dir: str | os.PathLike | None = None,
+           timeout: float = 90) -> Result:
+    """``jaxft launch -n N [options] [--run-dir R] -- COMMAND``, run to completion."""
+    extra = ["--run-dir", str(run_dir)] if run_dir is not None else []
+    return run_jaxft("launch", "-n", str(num_processes), *options, *extra, "--", *command,
+                     timeout=timeout)
+
+
+def events(run_dir: str | os.PathLike) -> list[dict]:
+    return jaxft.read_events(run_dir)
+
+
+def summary(run_dir: str | os.PathLike) -> dict:
+    with open(Path(run_dir) / "summary.json") as f:
+        return json.load(f)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def busy_port() -> Iterator[int]:
+    """A loopback port that this process holds bound and listening."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        yield s.getsockname()[1]
+
+
+def processes_with(marker: str) -> list[tuple[int, str]]:
+    """(pid, command line) of live processes whose argv contains ``marker``.
+
+    ``pgrep -af`` when it exists, else a scan of /proc (zombies have no command line
+    and so never match, as with pgrep).
+    """
+    if shutil.which("pgrep"):
+        out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
+        found = []
+        for line in out.splitlines():
+            pid, _, cmd = line.partition(" ")
+            if pid.isdigit():
+                found.append((int(pid), cmd))
+        return found
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        if marker in cmd:
+            found.append((int(entry), cmd))
+    return found
+
+
+def kill_marked(marker: str) -> list[tuple[int, str]]:
+    """SIGKILL (by pid) every process carrying ``marker``; returns what was found."""
+    found = processes_with(marker)
+    for pid, _ in found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return found
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, interval: float = 0.05,
+             what: str = "condition"):
+    """Poll ``predicate`` until it is truthy; its value, or AssertionError at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def read_line(stream, timeout: float) -> str:
+    """One line from a pipe (text or bytes), or '' at ``timeout``/EOF."""
+    deadline = time.monotonic() + timeout
+    buf = b""
+    fd = stream.fileno()
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        chunk = os.read(fd, 1)
+        if not chunk:
+            break
+        buf += chunk
+        if chunk == b"\n":
+            break
+    return buf.decode(errors="replace")
+
+
+def is_stopped(pid: int) -> bool:
+    """True when ``pid`` is in state T (stopped by a signal)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+@contextlib.contextmanager
+def started(args: Sequence[str], env: dict | None = None, **popen) -> Iterator[subprocess.Popen]:
+    """A background process that is SIGKILLed (if still alive) and reaped on exit."""
+    proc = subprocess.Popen([str(a) for a in args], env=clean_env() if env is None else env, cwd=REPO,
+                            stdin=subprocess.DEVNULL, **popen)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def by_event(evts: list[dict], name: str, **match) -> list[dict]:
+    """The events called ``name`` whose fields equal ``match``."""
+    return [e for e in evts if e["event"] == name and all(e.get(k) == v for k, v in match.items())]

@@ -1,0 +1,254 @@
+"""Fault specs, the once-per-run marker, and worker-side firing in real processes."""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from helpers import PYTHON, clean_env, is_stopped, run_python, started, wait_for
+from jaxft import envvars
+from jaxft.faults import (DEFAULT_PHASE, PHASES, FaultInjector, FaultRule, FaultSpecError, claim,
+                          parse_rule, parse_rules)
+
+# -- parsing -------------------------------------------------------------------------------
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("spec, expected", [
+    ("kill:process=1:step=5", FaultRule("kill", process=1, step=5, phase=DEFAULT_PHASE)),
+    ("kill:process=1:step=5:phase=before-step", FaultRule("kill", process=1, step=5, phase="before-step")),
+    ("kill:process=0:step=0:phase=during-save", FaultRule("kill", process=0, step=0, phase="during-save")),
+    ("kill-all:step=13", FaultRule("kill-all", step=13)),
+    ("kill-all:step=13:phase=after-commit", FaultRule("kill-all", step=13, phase="after-commit")),
+    ("stop:process=2:step=7", FaultRule("stop", process=2, step=7)),
+    ("kill:process=0:after=4.5s", FaultRule("kill", process=0, after=4.5)),
+    ("kill:process=3:after=2", FaultRule("kill", process=3, after=2.0)),
+    ("stop:process=1:after=0s", FaultRule("stop", process=1, after=0.0)),
+    ("  kill:process=1:step=5  ", FaultRule("kill", process=1, step=5)),
+])
+def test_parse_rule_happy(spec, expected):
+    rule = parse_rule(spec)
+    assert rule == expected
+    assert rule.launcher_side == (expected.after is not None)
+    # The canonical spec parses back to the same rule.
+    assert parse_rule(rule.spec) == rule
+
+
+def test_parse_rules_forms():
+    assert parse_rules(None) == []
+    assert parse_rules("") == []
+    assert parse_rules([]) == []
+    rules = parse_rules("kill:process=1:step=5;stop:process=0:step=2;;kill:process=2:after=3s")
+    assert [r.index for r in rules] == [0, 1, 2]
+    assert [r.action for r in rules] == ["kill", "stop", "kill"]
+    assert parse_rules(["kill:process=1:step=5", "kill-all:step=9"]) == [
+        FaultRule("kill", process=1, step=5, index=0), FaultRule("kill-all", step=9, index=1)]
+    assert rules[2].spec == "kill:process=2:after=3s"
+    assert rules[0].spec == "kill:process=1:step=5:phase=after-grad"
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("spec, message", [
+    ("explode:process=1:step=5", "unknown action 'explode'"),
+    ("", "unknown action ''"),
+    ("kill:process=1:step=5:phase=mid-step", "unknown phase 'mid-step'"),
+    ("kill:process=1:step=5:when=now", "unknown key 'when'"),
+    ("kill:process=1", "give exactly one trigger"),
+    ("stop:process=1", "give exactly one trigger"),
+    ("kill-all:phase=after-grad", "give exactly one trigger"),
+    ("kill:process=1:step=5:after=3s", "give exactly one trigger"),
+    ("kill-all:process=1:step=5", "kill-all takes no process"),
+    ("kill-all:step=5:process=0", "kill-all takes no process"),
+    ("kill-all:after=3s", "kill-all is step-triggered only"),
+    ("kill:step=5", "kill needs process=N"),
+    ("stop:after=1s", "stop needs process=N"),
+    ("kill:process=one:step=5", "bad value for process"),
+    ("kill:process=1:step=five", "bad value for step"),
+    ("kill:process=1:after=soon", "bad value for after"),
+    ("kill:process=1:step", "expected key=value"),
+    ("kill:process=1:step=", "expected key=value"),
+    ("kill:process=1:step=-1", "non-negative"),
+    ("kill:process=1:after=-2s", "non-negative"),
+])
+def test_parse_rule_errors(spec, message):
+    with pytest.raises(FaultSpecError) as info:
+        parse_rule(spec)
+    assert message in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_parse_rules_error_names_the_bad_spec():
+    with pytest.raises(FaultSpecError, match="bogus"):
+        parse_rules(["kill:process=1:step=5", "bogus:step=1"])
+
+
+# -- the once-per-run marker ---------------------------------------------------------------
+
+
+def test_claim_fires_once_per_rule_and_process(tmp_path):
+    state = str(tmp_path / "state")  # created on demand
+    rule_a, rule_b = parse_rules(["kill:process=1:step=5", "kill-all:step=5"])
+    assert claim(state, rule_a, 1) is True
+    assert claim(state, rule_a, 1) is False
+    assert claim(state, rule_a, 1) is False
+    assert claim(state, rule_b, 1) is True  # another rule: its own marker
+    assert claim(state, rule_b, 2) is True  # kill-all: one marker per process
+    assert claim(state, rule_b, 2) is False
+    # The same text at another position in the rule list is another rule.
+    same_text_elsewhere = parse_rules(["kill-all:step=1", "kill:process=1:step=5"])[1]
+    assert claim(state, same_text_elsewhere, 1) is True
+    assert sorted(os.listdir(state)) == sorted([
+        rule_a.marker(1), rule_b.marker(1), rule_b.marker(2), same_text_elsewhere.marker(1)])
+
+
+def test_claim_without_state_dir_always_fires():
+    rule = parse_rule("kill:process=0:step=1")
+    assert claim(None, rule, 0) is True
+    assert claim(None, rule, 0) is True
+
+
+def test_claim_is_atomic_across_processes(tmp_path):
+    """Several processes race for one marker: exactly one wins."""
+    go = tmp_path / "go"
+    code = (
+        "import os, sys, time\n"
+        "from jaxft.faults import claim, parse_rule\n"
+        "rule = parse_rule('kill-all:step=3')\n"
+        "while not os.path.exists(sys.argv[1]): time.sleep(0.005)\n"
+        "print('won' if claim(sys.argv[2], rule, 0) else 'lost', flush=True)\n")
+    procs = [subprocess.Popen([PYTHON, "-c", code, str(go), str(tmp_path / "state")],
+                              stdout=subprocess.PIPE, text=True, env=clean_env()) for _ in range(4)]
+    try:
+        time.sleep(0.5)
+        go.touch()
+        outs = [p.communicate(timeout=60)[0].strip() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert sorted(outs) == ["lost", "lost", "lost", "won"], outs
+
+
+# -- the worker-side injector --------------------------------------------------------------
+
+
+def test_injector_keeps_only_this_process_step_rules():
+    rules = parse_rules(["kill:process=1:step=5", "kill:process=0:step=2", "kill-all:step=9",
+                         "stop:process=1:after=3s", "stop:process=1:step=4:phase=before-step"])
+    inj = FaultInjector(rules, process_id=1)
+    assert [r.index for r in inj.rules] == [0, 2, 4]
+    assert [r.index for r in FaultInjector(rules, process_id=2).rules] == [2]
+
+
+def test_injector_from_env(tmp_path):
+    environ = {envvars.FAULTS: "kill:process=0:step=1;stop:process=1:step=9;kill:process=1:after=2s",
+               envvars.FAULT_STATE_DIR: str(tmp_path)}
+    inj = FaultInjector.from_env(1, environ=environ)
+    assert [r.spec for r in inj.rules] == ["stop:process=1:step=9:phase=after-grad"]
+    assert inj.state_dir == str(tmp_path)
+    assert FaultInjector.from_env(0, environ={}).rules == []
+
+
+def test_point_rejects_unknown_phase():
+    inj = FaultInjector([], process_id=0)
+    with pytest.raises(ValueError, match="unknown fault phase"):
+        inj.point("mid-step", 1)
+    inj.point("after-grad", 1)  # no rules: nothing happens
+
+
+# A worker loop that walks every phase of every step and reports each point it passed.
+STEPPER = """
+import sys
+from jaxft.faults import PHASES, FaultInjector, parse_rules
+spec, pid, state_dir, steps = sys.argv[1:5]
+inj = FaultInjector(parse_rules(spec), int(pid), state_dir or None,
+                    on_fire=lambda rule, step: print(f"fire {rule.spec} at {step}", flush=True))
+print("ready", flush=True)
+for step in range(int(steps)):
+    for phase in PHASES:
+        inj.point(phase, step)
+        print(f"passed {step} {phase}", flush=True)
+print("done", flush=True)
+"""
+
+
+def _passed(stdout: str) -> list[tuple[int, str]]:
+    out = []
+    for line in stdout.splitlines():
+        if line.startswith("passed "):
+            _, step, phase = line.split()
+            out.append((int(step), phase))
+    return out
+
+
+def _all_points(steps: int) -> list[tuple[int, str]]:
+    return [(s, p) for s in range(steps) for p in PHASES]
+
+
+def _points_before(step: int, phase: str) -> list[tuple[int, str]]:
+    points = _all_points(step + 1)
+    return points[:points.index((step, phase))]
+
+
+@pytest.mark.smoke
+def test_kill_fires_at_its_step_and_once_per_run(tmp_path):
+    state = str(tmp_path / "faults")
+    spec = "kill:process=1:step=3"  # default phase after-grad
+    first = run_python(STEPPER, spec, "1", state, "6", timeout=60)
+    assert first.returncode == -signal.SIGKILL, first.describe()
+    # Every point before (3, after-grad) was passed, and none after it.
+    assert _passed(first.stdout) == _points_before(3, "after-grad"), first.describe()
+    assert first.stdout.splitlines()[-1] == "fire kill:process=1:step=3:phase=after-grad at 3"
+    assert "done" not in first.stdout
+
+    # A restarted worker (same state dir) passes the point: the rule fired already.
+    second = run_python(STEPPER, spec, "1", state, "6", timeout=60)
+    assert second.returncode == 0, second.describe()
+    assert "fire" not in second.stdout
+    assert _passed(second.stdout) == _all_points(6)
+
+    # Another process never fires a rule aimed at process 1.
+    other = run_python(STEPPER, spec, "0", str(tmp_path / "fresh"), "6", timeout=60)
+    assert other.returncode == 0, other.describe()
+    assert "fire" not in other.stdout
+
+
+def test_kill_all_fires_on_every_process_once(tmp_path):
+    state = str(tmp_path / "faults")
+    spec = "kill:process=0:step=1:phase=before-step;kill-all:step=2:phase=after-commit"
+    p0 = run_python(STEPPER, spec, "0", state, "4", timeout=60)
+    assert p0.returncode == -signal.SIGKILL, p0.describe()
+    assert _passed(p0.stdout) == _points_before(1, "before-step")  # the earlier rule won
+    p0 = run_python(STEPPER, spec, "0", state, "4", timeout=60)
+    assert p0.returncode == -signal.SIGKILL, p0.describe()
+    assert _passed(p0.stdout) == _points_before(2, "after-commit")
+    p2 = run_python(STEPPER, spec, "2", state, "4", timeout=60)
+    assert p2.returncode == -signal.SIGKILL, p2.describe()
+    assert _passed(p2.stdout) == _points_before(2, "after-commit")
+    for pid in ("0", "2"):
+        again = run_python(STEPPER, spec, pid, state, "4", timeout=60)
+        assert again.returncode == 0 and "fire" not in again.stdout, again.describe()
+
+
+def test_stop_hangs_the_worker_at_its_step(tmp_path):
+    state = str(tmp_path / "faults")
+    spec = "stop:process=2:step=2:phase=before-step"
+    with started([PYTHON, "-c", STEPPER, spec, "2", state, "5"], stdout=subprocess.PIPE, text=True) as proc:
+        wait_for(lambda: is_stopped(proc.pid) or proc.poll() is not None, timeout=30,
+                 what="the worker to stop itself")
+        assert proc.poll() is None, "the worker exited instead of stopping"
+        time.sleep(0.3)
+        assert is_stopped(proc.pid), "the worker must stay stopped"
+        proc.kill()  # SIGKILL works on a stopped process
+        out, _ = proc.communicate(timeout=10)
+    assert proc.returncode == -signal.SIGKILL
+    assert _passed(out) == _points_before(2, "before-step"), out
+    assert out.splitlines()[-1] == "fire stop:process=2:step=2:phase=before-step at 2"
+
+    again = run_python(STEPPER, spec, "2", state, "5", timeout=60)
+    assert again.returncode == 0, again.describe()
+    assert "fire" not in again.stdout
+    assert _passed(again.stdout) == _all_points(5)

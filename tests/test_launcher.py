@@ -1,0 +1,242 @@
+"""``jaxft launch`` and ``jaxft coordinator``: real processes, real signals, no jax in workers."""
+
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+from helpers import (JAXFT, PYTHON, busy_port, by_event, events, free_port, launch, processes_with,
+                     read_line, run_jaxft, started, summary, wait_for)
+
+FAST = 10  # seconds: every refusal of bad input must come back at least this fast
+
+
+def py(code: str, *args: str) -> list[str]:
+    """A worker command: ``python -c CODE ARGS`` with the interpreter running the tests."""
+    return [PYTHON, "-c", code, *args]
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+def _refused(result, *needles):
+    assert result.returncode != 0, result.describe()
+    assert result.elapsed < FAST, result.describe()
+    for needle in needles:
+        assert needle in result.stderr, result.describe()
+
+
+@pytest.mark.smoke
+def test_zero_processes_refused():
+    r = run_jaxft("launch", "-n", "0", "--", PYTHON, "-c", "pass", timeout=30)
+    _refused(r, "jaxft launch: error:", "-n must be >= 1, got 0")
+
+
+@pytest.mark.parametrize("tail", [[], ["--"]], ids=["nothing", "bare-dashes"])
+def test_no_command_refused(tail):
+    r = run_jaxft("launch", "-n", "2", *tail, timeout=30)
+    _refused(r, "no worker command given", "usage: jaxft launch -n N")
+
+
+def test_busy_port_refused():
+    with busy_port() as port:
+        r = run_jaxft("launch", "-n", "2", "--port", str(port), "--", PYTHON, "-c", "pass", timeout=30)
+    _refused(r, f"port {port} on 127.0.0.1 is already in use")
+
+
+def test_missing_worker_command_refused():
+    r = run_jaxft("launch", "-n", "2", "--", "/nonexistent/jaxft-worker", "--flag", timeout=30)
+    _refused(r, "worker command '/nonexistent/jaxft-worker' not found")
+    r = run_jaxft("launch", "-n", "2", "--", "jaxft-no-such-program-on-path", timeout=30)
+    _refused(r, "'jaxft-no-such-program-on-path' not found")
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("explode:process=0:step=1", "unknown action 'explode'"),
+    ("kill:process=0", "give exactly one trigger"),
+    ("kill:process=5:after=1s", "process 5 does not exist (processes are 0..1)"),
+])
+def test_invalid_fault_refused(spec, needle):
+    r = run_jaxft("launch", "-n", "2", "--fault", spec, "--", PYTHON, "-c", "pass", timeout=30)
+    _refused(r, "jaxft launch: error:", needle)
+
+
+def test_bad_restart_policy_refused():
+    r = run_jaxft("launch", "-n", "2", "--restart", "always", "--", PYTHON, "-c", "pass", timeout=30)
+    _refused(r, "invalid choice: 'always'")
+
+
+# -- jaxft coordinator -------------------------------------------------------------------
+
+def test_coordinator_busy_port_fails_fast():
+    with busy_port() as port:
+        r = run_jaxft("coordinator", "--port", str(port), "--num-processes", "2", timeout=30)
+    _refused(r, "jaxft coordinator: error:", "already in use")
+
+
+def test_coordinator_serves_until_sigterm():
+    port = free_port()
+    with started([*JAXFT, "coordinator", "--port", str(port), "--num-processes", "2"],
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        line = read_line(proc.stdout, timeout=30)
+        assert line.strip() == f"jaxft coordinator listening on 127.0.0.1:{port} for 2 processes", line
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # it really listens
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert time.monotonic() - t0 < 10
+    with socket.socket() as s:  # and released the port
+        s.bind(("127.0.0.1", port))
+
+
+# -- plain workers ----------------------------------------------------------------------
+
+HELLO = ("import os; e = os.environ; "
+         "print('hello from', e['JAXFT_PROCESS_ID'], 'of', e['JAXFT_NUM_PROCESSES'], "
+         "'inc', e['JAXFT_INCARNATION'], 'ext', e['JAXFT_EXTERNAL_COORDINATOR'], "
+         "'coord', e['JAXFT_COORDINATOR_ADDRESS'], 'run', e.get('JAXFT_RUN_DIR'))")
+
+
+@pytest.mark.smoke
+def test_all_workers_succeed(run_dir):
+    r = launch(3, py(HELLO), run_dir=run_dir, timeout=60)
+    assert r.returncode == 0, r.describe()
+    lines = r.stdout.splitlines()
+    for i in range(3):
+        mine = [l for l in lines if l.startswith(f"[{i}] ")]
+        assert len(mine) == 1, r.describe()
+        assert mine[0].startswith(f"[{i}] hello from {i} of 3 inc 0 ext 1 coord 127.0.0.1:"), mine
+        assert mine[0].endswith(f"run {run_dir.resolve()}"), mine
+    assert any(l.startswith("[jaxft] done in") for l in lines)
+    s = summary(run_dir)
+    assert s["processes"] == 3
+    assert s["restarts"] == {"0": 0, "1": 0, "2": 0}
+    assert s["exit_code"] == 0
+    assert isinstance(s["wall_s"], float) and 0 < s["wall_s"] < 60
+    assert s["final_returncodes"] == {"0": 0, "1": 0, "2": 0}
+    ev = events(run_dir)
+    assert [e["event"] for e in ev][0] == "run_start" and ev[-1]["event"] == "run_end"
+    assert sorted(e["process"] for e in by_event(ev, "launch")) == [0, 1, 2]
+    assert sorted(e["process"] for e in by_event(ev, "exit", code=0)) == [0, 1, 2]
+    assert by_event(ev, "run_end")[0]["exit_code"] == 0
+
+
+def test_one_worker_fails_restart_never(run_dir):
+    code = "import os, sys; print('bye'); sys.exit(3 if os.environ['JAXFT_PROCESS_ID'] == '1' else 0)"
+    r = launch(3, py(code), "--restart", "never", run_dir=run_dir, timeout=60)
+    assert r.returncode == 1, r.describe()
+    assert "[1] bye" in r.stdout.splitlines()
+    assert "[jaxft] process 1 (incarnation 0) exit code 3" in r.stdout
+    s = summary(run_dir)
+    assert s["exit_code"] == 1
+    assert s["restarts"] == {"0": 0, "1": 0, "2": 0}
+    assert s["final_returncodes"] == {"0": 0, "1": 3, "2": 0}
+    assert by_event(events(run_dir), "restart") == []
+
+
+def test_always_failing_worker_restarted_max_times(run_dir):
+    code = ("import os, sys; e = os.environ; print('incarnation', e['JAXFT_INCARNATION']); "
+            "sys.exit(3 if e['JAXFT_PROCESS_ID'] == '1' else 0)")
+    r = launch(2, py(code), "--restart", "on-failure", "--max-restarts", "2", run_dir=run_dir, timeout=60)
+    assert r.returncode == 1, r.describe()
+    s = summary(run_dir)
+    assert s["restarts"] == {"0": 0, "1": 2}
+    assert s["exit_code"] == 1
+    assert s["final_returncodes"] == {"0": 0, "1": 3}
+    ev = events(run_dir)
+    restarts = by_event(ev, "restart", process=1)
+    assert [e["incarnation"] for e in restarts] == [1, 2]
+    assert [e["restarts"] for e in restarts] == [1, 2]
+    assert by_event(ev, "restart", process=0) == []
+    assert [e["incarnation"] for e in by_event(ev, "launch", process=1)] == [0, 1, 2]
+    assert [e["code"] for e in by_event(ev, "exit", process=1)] == [3, 3, 3]
+    lines = r.stdout.splitlines()
+    assert [l for l in lines if l.startswith("[1] ")] == [
+        "[1] incarnation 0", "[1] incarnation 1", "[1] incarnation 2"]
+    assert "[jaxft] restarting process 1 (restart 2/2)" in lines
+
+
+def test_worker_recovers_after_one_restart(run_dir):
+    code = "import os, sys; sys.exit(7 if os.environ['JAXFT_INCARNATION'] == '0' else 0)"
+    r = launch(2, py(code), "--restart", "on-failure", run_dir=run_dir, timeout=60)
+    assert r.returncode == 0, r.describe()
+    s = summary(run_dir)
+    assert s["restarts"] == {"0": 1, "1": 1}
+    assert s["final_returncodes"] == {"0": 0, "1": 0}
+    assert s["exit_code"] == 0
+
+
+# -- stopping -----------------------------------------------------------------------------
+
+SLEEPER = """
+import os, signal, sys, time
+ready_dir, marker, stubborn = sys.argv[1], sys.argv[2], sys.argv[3]
+pid = os.environ["JAXFT_PROCESS_ID"]
+if pid == stubborn:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open(os.path.join(ready_dir, "ready-" + pid), "w").close()
+print("sleeping", flush=True)
+time.sleep(120)
+"""
+
+
+def _workers_of(marker: str, launcher_pid: int) -> list[tuple[int, str]]:
+    return [(pid, cmd) for pid, cmd in processes_with(marker) if pid != launcher_pid]
+
+
+def _start_sleepers(tmp_path, marker, grace: float, stubborn: str = "1"):
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    args = [*JAXFT, "launch", "-n", "3", "--grace", str(grace), "--run-dir", str(tmp_path / "run"), "--",
+            *py(SLEEPER, str(ready), marker, stubborn)]
+    return ready, args
+
+
+def _wait_ready(proc, ready, marker):
+    wait_for(lambda: len(list(ready.iterdir())) == 3 or proc.poll() is not None, timeout=30,
+             what="3 workers to be ready")
+    assert proc.poll() is None, "the launcher exited early"
+    workers = wait_for(lambda: (w := _workers_of(marker, proc.pid)) and len(w) == 3 and w, timeout=10,
+                       what="pgrep to show 3 workers")
+    print(f"pgrep -af {marker} before:\n" + "\n".join(f"{p} ...{c[-90:]}" for p, c in workers))
+    return workers
+
+
+def test_ctrl_c_stops_every_worker(tmp_path, marker):
+    grace = 2.0
+    ready, args = _start_sleepers(tmp_path, marker, grace, stubborn="1")
+    with started(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        _wait_ready(proc, ready, marker)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=grace + 5)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the launcher did not exit within grace + 5 s after SIGINT; "
+                        f"still running: {processes_with(marker)}")
+        elapsed = time.monotonic() - t0
+    after = processes_with(marker)
+    print(f"pgrep -af {marker} after ({elapsed:.1f} s): {after or 'nothing'}")
+    assert after == [], f"processes survived the launcher: {after}"
+    assert proc.returncode == 128 + signal.SIGINT, out
+    assert elapsed < grace + 5
+    assert elapsed >= grace * 0.9, "the stubborn worker must get its grace period"
+    assert "[jaxft] received SIGINT; stopping all workers" in out
+    assert "process 1 ignored SIGTERM for 2 s; SIGKILL" in out
+    ev = events(tmp_path / "run")
+    assert by_event(ev, "interrupted", signal="SIGINT")
+    assert sorted(e["process"] for e in by_event(ev, "exit", reason="terminated by launcher")) == [0, 1, 2]
+    assert summary(tmp_path / "run")["exit_code"] == 130
+
+
+def test_sigkilled_launcher_takes_its_workers_along(tmp_path, marker):
+    ready, args = _start_sleepers(tmp_path, marker, grace=5.0, stubborn="2")
+    with started(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:
+        workers = _wait_ready(proc, ready, marker)
+        proc.kill()  # SIGKILL: no handler runs, only PR_SET_PDEATHSIG can clean up
+        proc.wait(timeout=10)
+        wait_for(lambda: not processes_with(marker), timeout=5,
+                 what=f"the workers {[p for p, _ in workers]} to die with their launcher")
+    print(f"pgrep -af {marker} after: {processes_with(marker) or 'nothing'}")

@@ -1,0 +1,166 @@
+"""The private jax/jaxlib API jaxft is pinned to (see the jax bound in pyproject.toml).
+
+Each check fails with a message that names the moved piece: when one fails on a new jax
+release, jaxft must be adapted before that release is allowed by pyproject's bound.
+"""
+
+import importlib
+import inspect
+import json
+
+import jax
+import pytest
+
+from helpers import run_python
+
+pytestmark = pytest.mark.smoke
+
+MOVED = (f"jaxft's pinned private jax API moved in jax {jax.__version__}: {{what}}. jaxft must be "
+         "adapted (or the jax upper bound in pyproject.toml lowered) before supporting this release.")
+
+
+def moved(what: str) -> str:
+    return MOVED.format(what=what)
+
+
+def _get(path: str):
+    """Import ``a.b.c:attr.sub`` style paths; pytest.fail with the MOVED message if absent."""
+    module_name, _, attrs = path.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        pytest.fail(moved(f"module {module_name} cannot be imported ({e})"))
+    for attr in filter(None, attrs.split(".")):
+        if not hasattr(obj, attr):
+            pytest.fail(moved(f"{path} is missing ({attr!r} not found)"))
+        obj = getattr(obj, attr)
+    return obj
+
+
+def _parameters(fn, what: str) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # nanobind functions: parse the documented signature
+        doc = (fn.__doc__ or "").splitlines()
+        if not doc:
+            pytest.fail(moved(f"cannot read the signature of {what}"))
+        head = doc[0]
+        inner = head[head.index("(") + 1:head.rindex(")")] if "(" in head else ""
+        names = set()
+        depth = 0
+        token = ""
+        for ch in inner + ",":
+            if ch in "[(":
+                depth += 1
+            elif ch in "])":
+                depth -= 1
+            if ch == "," and depth == 0:
+                names.add(token.split(":")[0].split("=")[0].strip())
+                token = ""
+            else:
+                token += ch
+        return names
+
+
+def test_service_factory_accepts_recoverable():
+    fn = _get("jax._src.lib:_jax.get_distributed_runtime_service")
+    params = _parameters(fn, "jax._src.lib._jax.get_distributed_runtime_service")
+    for name in ("address", "num_nodes", "heartbeat_timeout", "shutdown_timeout", "recoverable"):
+        assert name in params, moved(
+            f"jax._src.lib._jax.get_distributed_runtime_service no longer takes {name}= "
+            f"(parameters now: {sorted(params)})")
+
+
+def test_distributed_global_state():
+    distributed = _get("jax._src.distributed")
+    state = _get("jax._src.distributed:global_state")
+    for attr in ("client", "service"):
+        assert hasattr(state, attr), moved(f"jax._src.distributed.global_state has no .{attr}")
+    assert hasattr(distributed, "_jax"), moved(
+        "jax._src.distributed no longer has the module attribute _jax (jaxft swaps it to keep "
+        "process 0 from starting a second coordination service)")
+    assert hasattr(distributed._jax, "get_distributed_runtime_service"), moved(
+        "jax._src.distributed._jax.get_distributed_runtime_service is gone")
+    assert hasattr(distributed._jax, "get_distributed_runtime_client"), moved(
+        "jax._src.distributed._jax.get_distributed_runtime_client is gone")
+
+
+def test_backend_hooks():
+    fn = _get("jax._src.xla_bridge:backends_are_initialized")
+    assert callable(fn), moved("jax._src.xla_bridge.backends_are_initialized is not callable")
+    clear = _get("jax.extend.backend:clear_backends")
+    assert callable(clear), moved("jax.extend.backend.clear_backends is not callable")
+
+
+def test_live_devices_and_process_failure_error():
+    live = _get("jax.experimental.multihost_utils:live_devices")
+    assert hasattr(live, "devices"), moved(
+        "jax.experimental.multihost_utils.live_devices has no .devices (jaxft re-keys it after "
+        "a CPU backend rebuild)")
+    assert callable(live), moved("jax.experimental.multihost_utils.live_devices is not callable")
+    error_cls = _get("jax.experimental.multihost_utils:ProcessFailureError")
+    assert issubclass(error_cls, Exception)
+    try:
+        error = error_cls(failed_devices=set())
+    except TypeError as e:
+        pytest.fail(moved(f"ProcessFailureError(failed_devices=...) no longer works ({e})"))
+    assert hasattr(error, "failed_devices"), moved("ProcessFailureError has no .failed_devices")
+
+
+CLIENT_METHODS = ("get_live_nodes", "key_value_delete", "key_value_set", "key_value_try_get",
+                  "wait_at_barrier")
+
+
+@pytest.mark.parametrize("method", CLIENT_METHODS)
+def test_client_methods_exist(method):
+    client_cls = _get("jax._src.lib:_jax.DistributedRuntimeClient")
+    assert hasattr(client_cls, method), moved(f"DistributedRuntimeClient.{method} is gone")
+
+
+def test_key_value_set_allows_overwrite():
+    fn = _get("jax._src.lib:_jax.DistributedRuntimeClient.key_value_set")
+    params = _parameters(fn, "DistributedRuntimeClient.key_value_set")
+    assert "allow_overwrite" in params, moved("key_value_set no longer takes allow_overwrite=")
+    barrier = _get("jax._src.lib:_jax.DistributedRuntimeClient.wait_at_barrier")
+    assert "process_ids" in _parameters(barrier, "wait_at_barrier"), moved(
+        "wait_at_barrier no longer takes process_ids=")
+
+
+def test_service_and_client_work_together():
+    """Not just present: a recoverable service and a client really talk (fresh process)."""
+    code = """
+import json, socket
+from jax._src.lib import _jax
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+address = f"127.0.0.1:{port}"
+service = _jax.get_distributed_runtime_service(address, 1, heartbeat_timeout=3, shutdown_timeout=5,
+                                               recoverable=True)
+client = _jax.get_distributed_runtime_client(address, 0, init_timeout=20, heartbeat_timeout=3,
+                                             use_compression=True)
+client.connect()
+out = {}
+client.key_value_set("jaxft/k", "v1")
+client.key_value_set("jaxft/k", "v2", allow_overwrite=True)
+out["get"] = client.key_value_try_get("jaxft/k")
+client.key_value_delete("jaxft/k")
+try:
+    out["after_delete"] = client.key_value_try_get("jaxft/k")
+except Exception as e:  # NOT_FOUND is raised, not returned
+    out["after_delete"] = "raised " + type(e).__name__
+client.key_value_delete("jaxft/absent")  # deleting a missing key is fine
+out["live"] = {str(k): v for k, v in client.get_live_nodes([0]).items()}
+client.wait_at_barrier("jaxft_test_barrier", 5000, [0])
+print(json.dumps(out), flush=True)
+client.shutdown()
+service.shutdown()
+"""
+    r = run_python(code, timeout=60)
+    assert r.returncode == 0, moved("a recoverable service plus client no longer work as jaxft uses "
+                                    "them") + "\n" + r.describe()
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["get"] == "v2", moved(f"key_value_set/try_get changed: {out}")
+    assert out["after_delete"].startswith("raised"), moved(f"key_value_try_get on a missing key: {out}")
+    assert list(out["live"]) == ["0"], moved(f"get_live_nodes returned {out['live']}")
+    assert isinstance(out["live"]["0"], int), moved(f"get_live_nodes values are not incarnations: {out}")
