@@ -204,3 +204,36 @@ def started(args: Sequence[str], env: dict | None = None, **popen) -> Iterator[s
 def by_event(evts: list[dict], name: str, **match) -> list[dict]:
     """The events called ``name`` whose fields equal ``match``."""
     return [e for e in evts if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
+
+
+# -- training runs (examples/mlp.py and friends under jaxft launch) ---------------------------
+
+MLP = str(REPO / "examples" / "mlp.py")
+
+
+def train(run_dir: str | os.PathLike, *worker: str, n: int = 3, faults: Sequence[str] = (),
+          restart: str = "never", extra: Sequence[str] = (), timeout: float = 240
+          ) -> tuple[Result, list[dict]]:
+    """``jaxft launch -n N --run-dir R --restart P [--fault F]... -- python WORKER...``;
+    returns the result and the run's events."""
+    options = ["--restart", restart, *extra]
+    for f in faults:
+        options += ["--fault", f]
+    result = launch(n, [PYTHON, *worker], *options, run_dir=run_dir, timeout=timeout)
+    return result, events(run_dir)
+
+
+def finals(evts: list[dict]) -> list[dict]:
+    return by_event(evts, "final")
+
+
+def commits_by_step(evts: list[dict]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for e in by_event(evts, "commit"):
+        out.setdefault(e["step"], []).append(e)
+    return out
+
+
+def rel(a: float, b: float) -> float:
+    """Relative difference of ``a`` from ``b``."""
+    return abs(a - b) / max(abs(b), 1e-12)

@@ -23,15 +23,12 @@ import collections
 import glob
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-MLP = str(REPO / "examples" / "mlp.py")
+import helpers  # noqa: E402
+from helpers import MLP  # noqa: E402
 STEPS = 30
 EVERY = 5
 RTOL = 1e-5
@@ -39,61 +36,24 @@ RTOL = 1e-5
 
 # -- helpers ---------------------------------------------------------------------------------
 
-def _env() -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("JAXFT_", "XLA_PYTHON_CLIENT_")) and k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-    return env
-
-
-def _events(run_dir: Path) -> list[dict]:
-    out = []
-    path = run_dir / "events.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return out
-
-
-def _of(events, name, **match):
-    return [e for e in events if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
-
-
 def launch(run_dir: Path, *args: str, n: int = 2, faults=(), restart: str = "on-failure",
-           timeout: float = 240) -> tuple[subprocess.CompletedProcess, list[dict]]:
+           timeout: float = 240):
     """``jaxft launch -n N --run-dir R [--fault F]... -- python examples/mlp.py ARGS``."""
-    cmd = [sys.executable, "-m", "jaxft.cli", "launch", "-n", str(n), "--run-dir", str(run_dir),
-           "--restart", restart]
-    for f in faults:
-        cmd += ["--fault", f]
-    cmd += ["--", sys.executable, MLP, *args]
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=_env(),
-                          stdin=subprocess.DEVNULL)
-    proc.elapsed = time.monotonic() - t0
-    return proc, _events(run_dir)
+    return helpers.train(run_dir, MLP, *args, n=n, faults=faults, restart=restart, timeout=timeout)
 
 
-def _tail(proc, n: int = 4000) -> str:
-    return f"rc={proc.returncode}\n" + (proc.stdout + proc.stderr)[-n:]
+def _tail(proc) -> str:
+    return proc.describe()
 
 
 def _final_norms(events) -> list[float]:
-    return [e["params_norm"] for e in _of(events, "final")]
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
+    return [e["params_norm"] for e in helpers.by_event(events, "final")]
 
 
 def _in_fresh_python(code: str, timeout: float = 120) -> dict:
     """Run ``code`` in a new interpreter (JAX state must not leak into the test process);
     it prints one JSON line last."""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO, env=_env(), stdin=subprocess.DEVNULL)
+    proc = helpers.run_python(code, timeout=timeout)
     assert proc.returncode == 0, _tail(proc)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -141,19 +101,19 @@ def test_kill_all_restarts_cold_from_the_latest_complete_checkpoint(tmp_path, re
     assert proc.returncode == 0, _tail(proc)
 
     # Every worker died and was restarted once, on its own (launcher, --restart on-failure).
-    assert sorted(e["process"] for e in _of(ev, "restart")) == [0, 1], _of(ev, "restart")
-    assert sorted(e["process"] for e in _of(ev, "fault") if e.get("action") == "kill-all") == [0, 1]
-    kill_time = min(e["time"] for e in _of(ev, "fault"))
+    assert sorted(e["process"] for e in helpers.by_event(ev, "restart")) == [0, 1], helpers.by_event(ev, "restart")
+    assert sorted(e["process"] for e in helpers.by_event(ev, "fault") if e.get("action") == "kill-all") == [0, 1]
+    kill_time = min(e["time"] for e in helpers.by_event(ev, "fault"))
 
     # Each restarted process restored, from the default $JAXFT_RUN_DIR/checkpoints.
-    restored = {e["process"]: e for e in _of(ev, "restored", incarnation=1)}
+    restored = {e["process"]: e for e in helpers.by_event(ev, "restored", incarnation=1)}
     assert sorted(restored) == [0, 1], restored
     steps = {p: e["step"] for p, e in restored.items()}
     for e in restored.values():
         assert e["path"] == str(run_dir / "checkpoints" / str(e["step"]))
-    assert not _of(ev, "checkpoint_rejected")
+    assert not helpers.by_event(ev, "checkpoint_rejected")
     # A checkpoint published before the kill must be the one restored (newest complete).
-    published = {e["step"] for e in _of(ev, "checkpoint_saved", incarnation=0) if e["time"] < kill_time}
+    published = {e["step"] for e in helpers.by_event(ev, "checkpoint_saved", incarnation=0) if e["time"] < kill_time}
     assert max(published) in (5, 10), published
     r = min(steps.values())
     assert r in (5, 10) and r >= max(published), (steps, published)
@@ -162,36 +122,36 @@ def test_kill_all_restarts_cold_from_the_latest_complete_checkpoint(tmp_path, re
     # peer in the new life; the trainer would rehydrate the older one, so only then differ.)
     for p, s in steps.items():
         if s != r:
-            assert any(e["step"] == s for e in _of(ev, "checkpoint_started", incarnation=1)), (steps, p)
+            assert any(e["step"] == s for e in helpers.by_event(ev, "checkpoint_started", incarnation=1)), (steps, p)
 
     # Only steps from the restored one on are committed twice.
-    commits = collections.Counter((e["process"], e["step"]) for e in _of(ev, "commit"))
+    commits = collections.Counter((e["process"], e["step"]) for e in helpers.by_event(ev, "commit"))
     for (p, s), count in commits.items():
         assert count <= 2, (p, s, count)
         if count == 2:
             assert r <= s < 13, (p, s)
     for p in (0, 1):
         # A process that came up late may have been rehydrated past some steps by its peer.
-        late = bool(_of(ev, "rehydrated", process=p, incarnation=1))
+        late = bool(helpers.by_event(ev, "rehydrated", process=p, incarnation=1))
         for s in range(STEPS):
             expected = 2 if steps[p] <= s < 13 else 1
             if late:
                 assert commits[(p, s)] <= expected, (p, s, commits[(p, s)], steps)
             else:
                 assert commits[(p, s)] == expected, (p, s, commits[(p, s)], steps)
-    first_after = min(e["step"] for e in _of(ev, "commit", incarnation=1))
+    first_after = min(e["step"] for e in helpers.by_event(ev, "commit", incarnation=1))
     assert first_after == r
 
     # It ends where a run without failures ends.
     norms = _final_norms(ev)
     assert len(norms) == 2 and norms[0] == norms[1], norms
-    assert _rel(norms[0], reference) < RTOL, (norms[0], reference)
+    assert helpers.rel(norms[0], reference) < RTOL, (norms[0], reference)
 
     # What is left: the last --keep 3 checkpoints, all complete, no temporaries.
     check = _verify_dir(str(run_dir / "checkpoints"))
     assert check["steps"] == [20, 25, 30] and check["ok"] == [20, 25, 30], check
     assert check["tmp"] == [], check
-    assert _rel(check["norm"]["30"], reference) < RTOL
+    assert helpers.rel(check["norm"]["30"], reference) < RTOL
     print(f"\nkill-all at 13: restored step {steps} (published before the kill: {sorted(published)}); "
           f"run took {proc.elapsed:.1f} s")
 
@@ -210,41 +170,41 @@ def test_kill_during_save_never_leaves_a_partial_checkpoint(tmp_path, reference,
     assert proc.returncode == 0, _tail(proc)
     survivor = 1 - victim
 
-    fault = _of(ev, "fault", process=victim, phase="during-save")
+    fault = helpers.by_event(ev, "fault", process=victim, phase="during-save")
     assert len(fault) == 1 and fault[0]["step"] == 10, fault
-    started = _of(ev, "checkpoint_started", process=victim, incarnation=0, step=10)
+    started = helpers.by_event(ev, "checkpoint_started", process=victim, incarnation=0, step=10)
     assert started and started[0]["time"] <= fault[0]["time"], "the save had started before the kill"
 
     # The survivor's save of 10 either finished (published without the dead member) or
     # was abandoned; never both, never neither.
-    saved = _of(ev, "checkpoint_saved", process=survivor, step=10)
-    abandoned = _of(ev, "checkpoint_abandoned", process=survivor, step=10)
+    saved = helpers.by_event(ev, "checkpoint_saved", process=survivor, step=10)
+    abandoned = helpers.by_event(ev, "checkpoint_abandoned", process=survivor, step=10)
     assert len(saved) + len(abandoned) == 1, (saved, abandoned)
 
     # The restarted victim restored the newest complete checkpoint (5, or 10 if it was
     # published; or a later one if the survivor went on alone and saved it meanwhile) and
     # was brought up to date by the trainer.
-    restored = _of(ev, "restored", process=victim, incarnation=1)
+    restored = helpers.by_event(ev, "restored", process=victim, incarnation=1)
     assert len(restored) == 1, restored
     r = restored[0]["step"]
-    published = {e["step"]: e["time"] for e in _of(ev, "checkpoint_saved", process=survivor)}
+    published = {e["step"]: e["time"] for e in helpers.by_event(ev, "checkpoint_saved", process=survivor)}
     assert r == 5 or r in published, (r, published)
     assert r != 10 or saved, (r, abandoned)
     assert r >= max(s for s in [5, *published] if published.get(s, 0) < restored[0]["time"] - 1.0), (r, published)
-    assert not _of(ev, "checkpoint_rejected")
-    first_commit = min(e["step"] for e in _of(ev, "commit", process=victim, incarnation=1))
-    assert first_commit == r or _of(ev, "rehydrated", process=victim), (r, first_commit)
+    assert not helpers.by_event(ev, "checkpoint_rejected")
+    first_commit = min(e["step"] for e in helpers.by_event(ev, "commit", process=victim, incarnation=1))
+    assert first_commit == r or helpers.by_event(ev, "rehydrated", process=victim), (r, first_commit)
 
     norms = _final_norms(ev)
     assert len(norms) == 2 and norms[0] == norms[1], norms
-    assert _rel(norms[0], reference) < RTOL, (norms[0], reference)
+    assert helpers.rel(norms[0], reference) < RTOL, (norms[0], reference)
 
     # Every checkpoint that exists restores completely; 10 exists iff it was published.
     check = _verify_dir(str(ckpt_dir))
     expected = [5, 10, 15, 20, 25, 30] if saved else [5, 15, 20, 25, 30]
     assert check["steps"] == expected and check["ok"] == expected, check
     assert check["rejected"] == {} and check["tmp"] == [], check
-    assert _rel(check["norm"]["30"], reference) < RTOL
+    assert helpers.rel(check["norm"]["30"], reference) < RTOL
     print(f"\nkill process {victim} during save 10: {'published' if saved else 'abandoned'}; "
           f"victim restored {r}; run took {proc.elapsed:.1f} s")
 
@@ -256,21 +216,21 @@ def test_live_subset_without_process_0_saves_complete_checkpoints(tmp_path, refe
     proc, ev = launch(run_dir, "--steps", str(STEPS), "--checkpoint_every", str(EVERY), "--keep", "0",
                       faults=["kill:process=0:step=7"], restart="never")
     assert proc.returncode == 1, _tail(proc)  # process 0 failed and stayed dead
-    saved = {e["step"]: e for e in _of(ev, "checkpoint_saved", process=1)}
+    saved = {e["step"]: e for e in helpers.by_event(ev, "checkpoint_saved", process=1)}
     # Checkpoint 5 (members 0 and 1, primary 0) was published, or abandoned if process 0
     # died before publishing it; from 10 on, process 1 saves alone.
     assert sorted(saved) in ([5, 10, 15, 20, 25, 30], [10, 15, 20, 25, 30]), sorted(saved)
     if 5 in saved:
         assert saved[5]["processes"] == [0, 1] and not saved[5]["primary"]
     else:
-        assert _of(ev, "checkpoint_abandoned", process=1, step=5)
+        assert helpers.by_event(ev, "checkpoint_abandoned", process=1, step=5)
     for step in (10, 15, 20, 25, 30):
         assert saved[step]["processes"] == [1] and saved[step]["primary"], saved[step]
     norms = _final_norms(ev)
-    assert len(norms) == 1 and _rel(norms[0], reference) < RTOL, (norms, reference)
+    assert len(norms) == 1 and helpers.rel(norms[0], reference) < RTOL, (norms, reference)
     check = _verify_dir(str(run_dir / "checkpoints"))
     assert check["ok"] == sorted(saved) and check["rejected"] == {} and check["tmp"] == [], check
-    assert _rel(check["norm"]["30"], reference) < RTOL
+    assert helpers.rel(check["norm"]["30"], reference) < RTOL
 
 
 # -- (c) a corrupt checkpoint --------------------------------------------------------------------
@@ -280,7 +240,7 @@ def test_truncated_checkpoint_is_rejected_and_the_previous_one_restored(tmp_path
     first, ev1 = launch(tmp_path / "run1", "--steps", "15", "--checkpoint_every", str(EVERY),
                         "--checkpoint_dir", str(ckpt_dir), n=1)
     assert first.returncode == 0, _tail(first)
-    assert sorted(e["step"] for e in _of(ev1, "checkpoint_saved")) == [5, 10, 15]
+    assert sorted(e["step"] for e in helpers.by_event(ev1, "checkpoint_saved")) == [5, 10, 15]
 
     # Truncate the largest data file of checkpoint 15 (Orbax/OCDBT data of the params).
     files = [f for f in glob.glob(str(ckpt_dir / "15" / "**" / "d" / "*"), recursive=True) if os.path.isfile(f)]
@@ -294,23 +254,23 @@ def test_truncated_checkpoint_is_rejected_and_the_previous_one_restored(tmp_path
     proc, ev = launch(run_dir, "--steps", str(STEPS), "--checkpoint_every", str(EVERY),
                       "--checkpoint_dir", str(ckpt_dir), n=2)
     assert proc.returncode == 0, _tail(proc)
-    rejected = _of(ev, "checkpoint_rejected")
+    rejected = helpers.by_event(ev, "checkpoint_rejected")
     assert rejected, "the truncated checkpoint was not reported"
     for e in rejected:
         assert e["path"] == str(ckpt_dir / "15") and e["step"] == 15, e
         assert e["reason"], e
-    restored = _of(ev, "restored")
+    restored = helpers.by_event(ev, "restored")
     assert sorted(e["process"] for e in restored) == [0, 1], restored
     assert all(e["step"] == 10 and e["path"] == str(ckpt_dir / "10") for e in restored), restored
     # Nothing trained on the broken state: training resumed at step 10 and ends as a
     # fault-free run does.
-    assert min(e["step"] for e in _of(ev, "commit")) == 10
+    assert min(e["step"] for e in helpers.by_event(ev, "commit")) == 10
     norms = _final_norms(ev)
-    assert len(norms) == 2 and norms[0] == norms[1] and _rel(norms[0], reference) < RTOL, (norms, reference)
+    assert len(norms) == 2 and norms[0] == norms[1] and helpers.rel(norms[0], reference) < RTOL, (norms, reference)
     # The rejected checkpoint was moved aside, so step 15 could be saved again.
     moved = [e["moved_to"] for e in rejected if e.get("moved_to")]
     assert len(moved) == 1 and os.path.isdir(moved[0]) and Path(moved[0]).parent == ckpt_dir / "rejected"
-    assert 15 in [e["step"] for e in _of(ev, "checkpoint_saved")]
+    assert 15 in [e["step"] for e in helpers.by_event(ev, "checkpoint_saved")]
     print(f"\ntruncated {os.path.relpath(victim, ckpt_dir)} ({size} -> {size // 2} bytes): rejected "
           f"{rejected[0]['reason'][:80]!r}; restored 10")
 

@@ -5,15 +5,15 @@ Real processes, a real coordination service, real SIGKILL at named phases.
 
 import pytest
 
-from runs import MLP, commits_by_step, finals, launch, of, rel, tail
+from helpers import MLP, by_event as of, commits_by_step, finals, rel, train
 
 STEPS = 30
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    proc, events = launch(tmp_path_factory.mktemp("ref"), MLP, "--steps", str(STEPS))
-    assert proc.returncode == 0, tail(proc)
+    proc, events = train(tmp_path_factory.mktemp("ref"), MLP, "--steps", str(STEPS))
+    assert proc.returncode == 0, proc.describe()
     f = finals(events)
     assert len(f) == 3 and len({e["params_sha256"] for e in f}) == 1
     return f[0]
@@ -21,16 +21,16 @@ def reference(tmp_path_factory):
 
 def test_fault_free_members_agree(reference, tmp_path):
     # the same model in one process computes the same parameters (up to float order)
-    proc, events = launch(tmp_path, MLP, "--steps", str(STEPS), n=1)
-    assert proc.returncode == 0, tail(proc)
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), n=1)
+    assert proc.returncode == 0, proc.describe()
     assert rel(finals(events)[0]["params_norm"], reference["params_norm"]) < 1e-5
 
 
 @pytest.mark.parametrize("phase", ["after-grad", "before-step", "after-commit"])
 def test_survivor_finishes_with_same_result(reference, tmp_path, phase):
     faults = [f"kill:process=0:step=8:phase={phase}", f"kill:process=2:step=15:phase={phase}"]
-    proc, events = launch(tmp_path, MLP, "--steps", str(STEPS), faults=faults)
-    assert proc.returncode == 1, tail(proc)  # two workers died and were not restarted
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), faults=faults)
+    assert proc.returncode == 1, proc.describe()  # two workers died and were not restarted
     by_step = commits_by_step(events)
     survivor = [e for e in of(events, "commit") if e["process"] == 1]
     assert [e["step"] for e in survivor] == list(range(STEPS)), "each step committed exactly once"
@@ -45,15 +45,15 @@ def test_survivor_finishes_with_same_result(reference, tmp_path, phase):
 
 
 def test_micro_batches_match_full_batch(reference, tmp_path):
-    proc, events = launch(tmp_path, MLP, "--steps", str(STEPS), "--micro_batch", "8", n=3)
-    assert proc.returncode == 0, tail(proc)
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), "--micro_batch", "8", n=3)
+    assert proc.returncode == 0, proc.describe()
     assert rel(finals(events)[0]["params_norm"], reference["params_norm"]) < 1e-5
 
 
 def test_consistency_guard_names_the_diverged_process(tmp_path):
-    proc, events = launch(tmp_path, "tests/workers/diverge.py")
+    proc, events = train(tmp_path, "tests/workers/diverge.py")
     assert proc.returncode != 0
     errors = of(events, "consistency_error")
-    assert {e["process"] for e in errors} == {0, 1, 2}, tail(proc)
+    assert {e["process"] for e in errors} == {0, 1, 2}, proc.describe()
     assert all(e["processes"] == [1] and e["step"] == 5 for e in errors)
     assert not of(events, "commit", step=4), "the step that found the mismatch must not commit"

@@ -2,15 +2,15 @@
 
 import pytest
 
-from runs import MLP, commits_by_step, finals, launch, of, rel, tail
+from helpers import MLP, by_event as of, commits_by_step, finals, rel, train
 
 STEPS = 40
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    proc, events = launch(tmp_path_factory.mktemp("ref"), MLP, "--steps", str(STEPS), n=1)
-    assert proc.returncode == 0, tail(proc)
+    proc, events = train(tmp_path_factory.mktemp("ref"), MLP, "--steps", str(STEPS), n=1)
+    assert proc.returncode == 0, proc.describe()
     return finals(events)[0]
 
 
@@ -38,8 +38,8 @@ def check_run(events, reference, restarts):
 @pytest.mark.smoke
 def test_three_restarts_including_process_0(reference, tmp_path):
     faults = ["kill:process=0:step=5", "kill:process=1:step=12", "kill:process=0:step=20"]
-    proc, events = launch(tmp_path, MLP, "--steps", str(STEPS), faults=faults, restart="on-failure")
-    assert proc.returncode == 0, tail(proc)
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), faults=faults, restart="on-failure")
+    assert proc.returncode == 0, proc.describe()
     check_run(events, reference, restarts=3)
     assert {(r["process"], r["incarnation"]) for r in of(events, "rehydrated")} == {(0, 1), (1, 1), (0, 2)}
 
@@ -47,9 +47,9 @@ def test_three_restarts_including_process_0(reference, tmp_path):
 def test_slow_restart_rejoins_behind(reference, tmp_path):
     # The survivors train on without process 2 for a while; it must catch up from a donor.
     faults = ["kill:process=2:step=6:phase=before-step"]
-    proc, events = launch(tmp_path, MLP, "--steps", str(STEPS), "--step_sleep", "0.15", faults=faults,
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), "--step_sleep", "0.15", faults=faults,
                           restart="on-failure", extra=["--restart-delay", "4"])
-    assert proc.returncode == 0, tail(proc)
+    assert proc.returncode == 0, proc.describe()
     check_run(events, reference, restarts=1)
     (r,) = of(events, "rehydrated")
     assert r["step"] > 6, "process 2 should have come back after the survivors moved on"
@@ -59,7 +59,7 @@ def test_slow_restart_rejoins_behind(reference, tmp_path):
 @pytest.mark.soak
 def test_ten_kill_restart_cycles(reference, tmp_path):
     faults = [f"kill:process=2:step={s}" for s in range(3, 33, 3)]
-    proc, events = launch(tmp_path, MLP, "--steps", str(STEPS), faults=faults, restart="on-failure",
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), faults=faults, restart="on-failure",
                           extra=["--max-restarts", "20"], timeout=600)
-    assert proc.returncode == 0, tail(proc)
+    assert proc.returncode == 0, proc.describe()
     check_run(events, reference, restarts=10)
