@@ -11,7 +11,6 @@ entry points.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket

@@ -16,13 +16,3 @@ RUN_DIR = "JAXFT_RUN_DIR"
 FAULTS = "JAXFT_FAULTS"  # ";"-separated fault specs (see jaxft.faults)
 FAULT_STATE_DIR = "JAXFT_FAULT_STATE_DIR"  # where "rule fired" markers live
 
-
-def get_int(environ, name: str) -> int | None:
-    """``int(environ[name])`` or None when unset; a clear error when malformed."""
-    raw = environ.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None

@@ -7,7 +7,7 @@ gloo (CPU) and NCCL (GPU) alike and fails like any other collective when a peer 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
