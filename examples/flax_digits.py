@@ -9,7 +9,7 @@ installed package. The model's params are an ordinary flax pytree, so ElasticTra
 treats them like any other.
 """
 
-from absl import app, flags
+from absl import app, flags, logging
 
 import jaxft
 
@@ -53,6 +53,7 @@ def make_model():
 
 
 def main(_):
+    logging.set_verbosity(logging.WARNING)  # keep jax's INFO lines out of the workers' output
     if FLAGS.checkpoint_every:
         from jaxft import checkpoint  # noqa: F401 - Orbax imports slowly: do it before joining the job
     rt = jaxft.initialize()  # before any other JAX use

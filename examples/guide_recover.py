@@ -8,7 +8,7 @@ process. Here any process may die, process 0 included: a restarted process is re
         --fault kill:process=2:step=25 -- python examples/guide_recover.py
 """
 
-from absl import app, flags
+from absl import app, flags, logging
 
 import jaxft
 
@@ -17,6 +17,7 @@ FLAGS = flags.FLAGS
 
 
 def main(_):
+    logging.set_verbosity(logging.WARNING)  # keep jax's INFO lines out of the workers' output
     rt = jaxft.initialize()
     import jax.numpy as jnp
     import numpy as np

@@ -8,7 +8,7 @@ the number of processes: step k always uses the same 60 examples.
     jaxft launch -n 4 --fault kill:process=3:step=20 -- python examples/guide_survive.py
 """
 
-from absl import app, flags
+from absl import app, flags, logging
 
 import jaxft
 
@@ -18,6 +18,7 @@ FLAGS = flags.FLAGS
 
 
 def main(_):
+    logging.set_verbosity(logging.WARNING)  # keep jax's INFO lines out of the workers' output
     rt = jaxft.initialize()
     import jax
     import jax.numpy as jnp

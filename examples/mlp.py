@@ -6,7 +6,7 @@ With checkpoints:       jaxft launch -n 3 --restart on-failure --run-dir runs/ml
                             python examples/mlp.py --steps 30 --checkpoint_every 5
 """
 
-from absl import app, flags
+from absl import app, flags, logging
 
 import jaxft
 
@@ -65,6 +65,7 @@ def loss_fn(params, batch):
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # keep jax's INFO lines out of the workers' output
     if FLAGS.checkpoint_every:
         from jaxft import checkpoint  # noqa: F401 - Orbax imports slowly: do it before joining the job
     rt = jaxft.initialize()  # before any other JAX use

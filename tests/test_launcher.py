@@ -168,6 +168,22 @@ def test_worker_recovers_after_one_restart(run_dir):
     assert s["exit_code"] == 0
 
 
+def test_restart_all_takes_every_worker_down_and_up(run_dir):
+    # process 1 fails once; process 0 would sleep on, but --restart all kills and restarts it
+    code = ("import os, sys, time; e = os.environ\n"
+            "if e['JAXFT_INCARNATION'] == '0':\n"
+            "    sys.exit(5) if e['JAXFT_PROCESS_ID'] == '1' else time.sleep(60)\n")
+    r = launch(2, py(code), "--restart", "all", run_dir=run_dir, timeout=60)
+    assert r.returncode == 0, r.describe()
+    assert r.elapsed < 30, r.describe()
+    s = summary(run_dir)
+    assert s["restarts"] == {"0": 1, "1": 1}
+    ev = events(run_dir)
+    assert by_event(ev, "exit", process=1, incarnation=0)[0]["code"] == 5
+    assert by_event(ev, "exit", process=0, incarnation=0)[0]["signal"] == "SIGKILL"
+    assert sorted(e["process"] for e in by_event(ev, "launch", incarnation=1)) == [0, 1]
+
+
 # -- stopping -----------------------------------------------------------------------------
 
 SLEEPER = """

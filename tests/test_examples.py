@@ -1,0 +1,42 @@
+"""The examples run under jaxft launch with faults, and jaxft report reads what they left."""
+
+import json
+
+from helpers import REPO, by_event, finals, run_jaxft, train
+
+EXAMPLES = REPO / "examples"
+
+
+def test_guide_survive_keeps_training_on_survivors(tmp_path):
+    proc, ev = train(tmp_path, str(EXAMPLES / "guide_survive.py"), "--steps", "20",
+                     faults=["kill:process=2:step=8"])
+    assert proc.returncode == 1, proc.describe()  # process 2 died and stayed dead
+    steps = [e["step"] for e in by_event(ev, "commit", process=0)]
+    assert steps == list(range(20)), steps
+    assert by_event(ev, "commit", process=0, step=19)[0]["members"] == [0, 1]
+
+
+def test_guide_recover_and_report(tmp_path):
+    proc, ev = train(tmp_path, str(EXAMPLES / "guide_recover.py"), "--steps", "20",
+                     faults=["kill:process=0:step=6"], restart="on-failure")
+    assert proc.returncode == 0, proc.describe()
+    f = finals(ev)
+    assert len(f) == 3 and len({e["params_sha256"] for e in f}) == 1
+    assert by_event(ev, "rehydrated", process=0, incarnation=1)
+
+    png = tmp_path / "r.png"
+    r = run_jaxft("report", str(tmp_path), "--json", "--png", str(png), timeout=60)
+    assert r.returncode == 0, r.describe()
+    s = json.loads(r.stdout)
+    assert s["steps_committed"] == 20 and s["rejoins"] == 1 and s["faults_injected"] == 1
+    assert s["incidents"] == 1 and s["mean_recovery_s"] > 0 and len(s["final_sha256"]) == 1
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_flax_digits_with_a_kill(tmp_path):
+    proc, ev = train(tmp_path, str(EXAMPLES / "flax_digits.py"), "--steps", "12", "--global_batch", "64",
+                     n=2, faults=["kill:process=1:step=5"], restart="on-failure")
+    assert proc.returncode == 0, proc.describe()
+    f = finals(ev)
+    assert len(f) == 2 and len({e["params_sha256"] for e in f}) == 1
+    assert all(e["test_accuracy"] > 0.3 for e in by_event(ev, "eval"))  # 12 steps from 10% chance
