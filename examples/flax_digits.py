@@ -54,17 +54,20 @@ def make_model():
 
 def main(_):
     logging.set_verbosity(logging.WARNING)  # keep jax's INFO lines out of the workers' output
-    if FLAGS.checkpoint_every:
-        from jaxft import checkpoint  # noqa: F401 - Orbax imports slowly: do it before joining the job
-    rt = jaxft.initialize()  # before any other JAX use
+    # Slow set-up that needs no JAX backend comes first: a restarted process joins the
+    # live set when it connects, and the others wait for it at their next step.
     import time
 
-    import jax
     import numpy as np
     import optax
 
+    if FLAGS.checkpoint_every:
+        from jaxft import checkpoint  # noqa: F401 - Orbax imports slowly
     train, test = load()
     model = make_model()
+    rt = jaxft.initialize()  # before any JAX computation
+    import jax
+
     params = model.init(jax.random.key(FLAGS.seed), train["x"][:1])["params"]
 
     def loss_fn(params, batch):
