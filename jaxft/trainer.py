@@ -232,8 +232,9 @@ class ElasticTrainer:
         self._global = (tuple(d.id for d in m.devices), self.state.params, self.state.opt_state,
                         params, opt_state)
         self.last_loss = loss
-        record = StepRecord(step, loss, m.process_ids, m.generation, dict(m.incarnations))
-        self.events.log("commit", step=step, members=list(m.process_ids), generation=m.generation, loss=loss)
+        generation = self.group.generation  # agreed with the donor's after a rejoin
+        record = StepRecord(step, loss, m.process_ids, generation, dict(m.incarnations))
+        self.events.log("commit", step=step, members=list(m.process_ids), generation=generation, loss=loss)
         if self.on_commit is not None:
             self.on_commit(self, record)
         self.faults.point("after-commit", step)

@@ -14,9 +14,9 @@ def reference(tmp_path_factory):
     return finals(events)[0]
 
 
-def check_run(events, reference, restarts):
+def check_run(events, reference, restarts, n=3):
     f = finals(events)
-    assert sorted(e["process"] for e in f) == [0, 1, 2]
+    assert sorted(e["process"] for e in f) == list(range(n))
     assert len({e["params_sha256"] for e in f}) == 1, "members must end bitwise identical"
     assert all(e["step"] == STEPS for e in f)
     assert rel(f[0]["params_norm"], reference["params_norm"]) < 1e-5
@@ -26,7 +26,8 @@ def check_run(events, reference, restarts):
         procs = [c["process"] for c in commits]
         assert len(procs) == len(set(procs)), f"step {step} committed twice by one process"
         assert len({tuple(c["members"]) for c in commits}) == 1
-    assert by_step[STEPS - 1][0]["members"] == [0, 1, 2], "back to full width"
+        assert len({c["generation"] for c in commits}) == 1, f"step {step}: generations disagree"
+    assert by_step[STEPS - 1][0]["members"] == list(range(n)), "back to full width"
     joins, rehydrated = of(events, "join"), of(events, "rehydrated")
     assert len(joins) == len(rehydrated) == restarts
     for r in rehydrated:
@@ -42,6 +43,22 @@ def test_three_restarts_including_process_0(reference, tmp_path):
     assert proc.returncode == 0, proc.describe()
     check_run(events, reference, restarts=3)
     assert {(r["process"], r["incarnation"]) for r in of(events, "rehydrated")} == {(0, 1), (1, 1), (0, 2)}
+
+
+@pytest.mark.soak
+def test_two_join_at_once_and_one_dies_as_they_join(reference, tmp_path):
+    """Known flake (about 1 run in 5 here): right after the rejoin, when process 3 dies
+    before step 6, a survivor sometimes aborts inside gloo ("EnforceNotMet ... Received data
+    size doesn't match expected size", SIGABRT); it is restarted and rehydrated and the run
+    still ends correct, but with one restart more than the faults injected. Kept strict and
+    out of the default suite until the cause is found."""
+    faults = ["kill:process=1:step=5", "kill:process=2:step=5",  # two joiners at once
+              "kill:process=3:step=6:phase=before-step",  # dies in the step right after they join
+              "kill:process=0:step=12:phase=after-commit"]
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), n=4, faults=faults, restart="on-failure")
+    assert proc.returncode == 0, proc.describe()
+    check_run(events, reference, restarts=4, n=4)
+    assert {r["process"] for r in of(events, "rehydrated", step=5)} == {1, 2}
 
 
 def test_slow_restart_rejoins_behind(reference, tmp_path):
