@@ -11,6 +11,7 @@ process. Here any process may die, process 0 included: a restarted process is re
 from absl import app, flags, logging
 
 import jaxft
+from guide_data import linear_data  # examples/ is on sys.path when run as a script
 
 flags.DEFINE_integer("steps", 50, "steps to train")
 FLAGS = flags.FLAGS
@@ -23,9 +24,7 @@ def main(_):
     import numpy as np
     import optax
 
-    rng = np.random.default_rng(42)
-    x = rng.permutation(np.arange(-300.0, 300.0, dtype=np.float32))
-    data = jaxft.GlobalBatches({"x": x, "y": 10 * x + rng.normal(size=x.shape).astype(np.float32)}, 60)
+    data = linear_data()  # the same data as example 1
     loss_fn = lambda w, b: (w["a"] * b["x"] - b["y"]) ** 2  # per-example loss
     trainer = jaxft.ElasticTrainer(loss_fn, optax.sgd(1e-6), {"a": np.float32(0.0)}, data, runtime=rt)
     state = trainer.run(FLAGS.steps)

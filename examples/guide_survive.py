@@ -11,6 +11,7 @@ the number of processes: step k always uses the same 60 examples.
 from absl import app, flags, logging
 
 import jaxft
+from guide_data import linear_data  # examples/ is on sys.path when run as a script
 
 flags.DEFINE_integer("steps", 50, "steps to train")
 flags.DEFINE_float("learning_rate", 1e-6, "SGD learning rate")
@@ -25,9 +26,7 @@ def main(_):
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    rng = np.random.default_rng(42)
-    x = rng.permutation(np.arange(-300.0, 300.0, dtype=np.float32))
-    data = jaxft.GlobalBatches({"x": x, "y": 10 * x + rng.normal(size=x.shape).astype(np.float32)}, 60)
+    data = linear_data()
 
     def grad_fn(w, batch, mask):  # mean squared error over the real (unpadded) examples
         loss = lambda w: jnp.sum(mask * (w * batch["x"] - batch["y"]) ** 2) / 60
