@@ -184,6 +184,19 @@ def test_restart_all_takes_every_worker_down_and_up(run_dir):
     assert sorted(e["process"] for e in by_event(ev, "launch", incarnation=1)) == [0, 1]
 
 
+def test_stopped_worker_is_killed_as_hung_and_restarted(run_dir):
+    # A SIGSTOPped worker sends no heartbeats: dead to its peers, but it never exits.
+    code = ("import os, signal, sys; e = os.environ\n"
+            "if e['JAXFT_PROCESS_ID'] == '1' and e['JAXFT_INCARNATION'] == '0':\n"
+            "    os.kill(os.getpid(), signal.SIGSTOP)\n")
+    r = launch(2, py(code), "--restart", "on-failure", "--heartbeat-timeout", "1", run_dir=run_dir, timeout=60)
+    assert r.returncode == 0, r.describe()
+    assert r.elapsed < 30, r.describe()
+    (hung,) = by_event(events(run_dir), "exit", process=1, incarnation=0)
+    assert hung["signal"] == "SIGKILL" and hung["reason"].startswith("hung (stopped)"), hung
+    assert summary(run_dir)["restarts"] == {"0": 0, "1": 1}
+
+
 # -- stopping -----------------------------------------------------------------------------
 
 SLEEPER = """
