@@ -8,7 +8,8 @@ wraps it so users never meet its rough edges:
   generation number and who joined or left since the previous step;
 * on CPU, when the set gains a member, the gloo data plane is rebuilt (stale rendezvous
   keys deleted, barrier, fresh backend) before the step body runs, so a restarted
-  process can take part again (see ``shared/notes`` in the repo history for the traps);
+  process can take part again (gloo caches communicators per device list, not per
+  incarnation, and keeps the dead incarnation's rendezvous keys);
 * after such a rebuild the remembered device map is re-keyed to the new device objects,
   so the next step does not fail spuriously;
 * a failed step surfaces as :class:`StepFailed` naming the failed processes; any other
