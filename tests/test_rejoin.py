@@ -63,9 +63,12 @@ def test_two_join_at_once_and_one_dies_as_they_join(reference, tmp_path):
 
 def test_slow_restart_rejoins_behind(reference, tmp_path):
     # The survivors train on without process 2 for a while; it must catch up from a donor.
+    # Margins, not luck: the restart waits 12 s (the survivors notice the death within
+    # ~3-5 s and then commit a step per ~0.6 s), and the 34 remaining steps take >= 20 s,
+    # so process 2 comes back behind the survivors and before they finish.
     faults = ["kill:process=2:step=6:phase=before-step"]
-    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), "--step_sleep", "0.15", faults=faults,
-                          restart="on-failure", extra=["--restart-delay", "4"])
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), "--step_sleep", "0.6", faults=faults,
+                          restart="on-failure", extra=["--restart-delay", "12"])
     assert proc.returncode == 0, proc.describe()
     check_run(events, reference, restarts=1)
     (r,) = of(events, "rehydrated")
