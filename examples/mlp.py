@@ -1,112 +1,17 @@
 """A small MLP on a deterministic synthetic regression set, trained elastically.
 
+The program itself is :mod:`jaxft.bench.mlp` (it is also the workload of ``jaxft bench
+chaos``, so it ships inside the package); read it there. This file runs it from a checkout:
+
 Plain single process:   python examples/mlp.py --steps 30
 Three processes:        jaxft launch -n 3 --run-dir runs/mlp -- python examples/mlp.py --steps 30
 With checkpoints:       jaxft launch -n 3 --restart on-failure --run-dir runs/mlp -- \
                             python examples/mlp.py --steps 30 --checkpoint_every 5
 """
 
-from absl import app, flags, logging
+from absl import app
 
-import jaxft
-
-FLAGS = flags.FLAGS
-flags.DEFINE_integer("steps", 30, "steps to train")
-flags.DEFINE_integer("global_batch", 96, "examples per step, whatever the number of processes")
-flags.DEFINE_integer("seed", 0, "seed of the parameter init and the data order")
-flags.DEFINE_integer("micro_batch", 0, "examples per device per micro-batch (0: no accumulation)")
-flags.DEFINE_integer("check_every", 10, "verify bitwise-identical params every N steps (0: never)")
-flags.DEFINE_integer("hidden", 64, "hidden width")
-flags.DEFINE_float("learning_rate", 1e-2, "Adam learning rate")
-flags.DEFINE_integer("num_examples", 4096, "dataset size")
-flags.DEFINE_float("step_sleep", 0.0, "seconds to sleep after each commit (to stretch demos)")
-flags.DEFINE_integer("checkpoint_every", 0, "async Orbax checkpoint every K committed steps (0: off); "
-                     "on start, restore the latest complete checkpoint if there is one")
-flags.DEFINE_string("checkpoint_dir", None, "checkpoint directory (default: $JAXFT_RUN_DIR/checkpoints)")
-flags.DEFINE_integer("keep", 3, "complete checkpoints to keep (max_to_keep; 0: keep all)")
-
-
-def make_dataset(num_examples: int, features: int = 16):
-    """y = a fixed random teacher of x plus noise; the same for every process and run."""
-    import numpy as np
-
-    rng = np.random.default_rng(1234)
-    x = rng.normal(size=(num_examples, features)).astype(np.float32)
-    w1 = rng.normal(size=(features, 32)) / np.sqrt(features)
-    w2 = rng.normal(size=(32, 1)) / np.sqrt(32)
-    y = (np.tanh(x @ w1) @ w2 + 0.05 * rng.normal(size=(num_examples, 1))).astype(np.float32)
-    return {"x": x, "y": y}
-
-
-def init_params(seed: int, features: int, hidden: int):
-    import jax
-    import jax.numpy as jnp
-
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    return {
-        "w1": jax.random.normal(k1, (features, hidden)) / jnp.sqrt(features),
-        "b1": jnp.zeros((hidden,)),
-        "w2": jax.random.normal(k2, (hidden, hidden)) / jnp.sqrt(hidden),
-        "b2": jnp.zeros((hidden,)),
-        "w3": jax.random.normal(k3, (hidden, 1)) / jnp.sqrt(hidden),
-        "b3": jnp.zeros((1,)),
-    }
-
-
-def loss_fn(params, batch):
-    """Per-example squared error, shape [B]."""
-    import jax.numpy as jnp
-
-    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-    h = jnp.tanh(h @ params["w2"] + params["b2"])
-    pred = h @ params["w3"] + params["b3"]
-    return jnp.sum((pred - batch["y"]) ** 2, axis=-1)
-
-
-def main(argv):
-    del argv
-    logging.set_verbosity(logging.WARNING)  # keep jax's INFO lines out of the workers' output
-    if FLAGS.checkpoint_every:
-        from jaxft import checkpoint  # noqa: F401 - Orbax imports slowly: do it before joining the job
-    rt = jaxft.initialize()  # before any other JAX use
-    import time
-
-    import jax
-    import numpy as np
-    import optax
-
-    dataset = make_dataset(FLAGS.num_examples)
-    params = jax.tree_util.tree_map(np.asarray, init_params(FLAGS.seed, dataset["x"].shape[1], FLAGS.hidden))
-    data = jaxft.GlobalBatches(dataset, FLAGS.global_batch, seed=FLAGS.seed)
-
-    ckpt = None
-    if FLAGS.checkpoint_every:
-        from jaxft.checkpoint import resolve_directory
-
-        ckpt = jaxft.ElasticCheckpointer(resolve_directory(FLAGS.checkpoint_dir), every=FLAGS.checkpoint_every,
-                                         keep=FLAGS.keep or None, runtime=rt, data=data,
-                                         metadata={"model": "mlp", "hidden": FLAGS.hidden, "init_seed": FLAGS.seed})
-
-    def on_commit(trainer, record):
-        if ckpt is not None:
-            ckpt.on_commit(trainer, record)
-        if record.step % 10 == 0 or record.step == FLAGS.steps - 1:
-            print(f"step {record.step:4d} loss {record.loss:.5f} members {list(record.members)}", flush=True)
-        if FLAGS.step_sleep:
-            time.sleep(FLAGS.step_sleep)
-
-    trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params, data, runtime=rt,
-                                   micro_batch=FLAGS.micro_batch or None, check_every=FLAGS.check_every,
-                                   on_commit=on_commit)
-    if ckpt is not None:
-        restored = ckpt.restore(trainer)  # cold restore: every process, independently
-        if restored is not None:
-            print(f"restored step {restored.step} from {restored.path}", flush=True)
-    state = trainer.run(FLAGS.steps)
-    if ckpt is not None:
-        ckpt.close()
-    print(f"done: step {state.step} loss {trainer.last_loss:.6f}", flush=True)
-
+from jaxft.bench.mlp import main
 
 if __name__ == "__main__":
     app.run(main)

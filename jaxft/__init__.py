@@ -1,32 +1,49 @@
 """jaxft: multi-controller JAX training that survives process failures.
 
-The light modules (launcher, coordinator, faults, events, runtime) import eagerly; the
-ones that pull in jax, optax or Orbax load on first use of one of their names, so the
-``jaxft`` command starts fast.
+The light modules (errors, timeouts, launcher, coordinator, faults, events, runtime)
+import eagerly; the ones that pull in jax, optax or Orbax load on first use of one of
+their names, so the ``jaxft`` command starts fast. Type checkers see every name through
+the ``TYPE_CHECKING`` imports below.
 """
 
-import importlib
+from __future__ import annotations
 
-from jaxft.coordinator import Coordinator, CoordinatorError
+import importlib
+from typing import TYPE_CHECKING
+
+from jaxft.coordinator import Coordinator
+from jaxft.errors import (BarrierAbandoned, BarrierTimeout, CheckpointError, CheckpointMismatch, CheckpointRejected, ConsistencyError,
+                          CoordinatorError, Error, FaultSpecError, InitializeError, LaunchError, SaveAbandoned,
+                          StepFailed, TimeoutsError)
 from jaxft.events import EventLog, read_events
-from jaxft.faults import FaultInjector, FaultRule, FaultSpecError, parse_rules
-from jaxft.launcher import LaunchConfig, LaunchError, Launcher
-from jaxft.runtime import InitializeError, Runtime, initialize
+from jaxft.faults import FaultInjector, FaultRule, parse_rules
+from jaxft.launcher import LaunchConfig, Launcher
+from jaxft.runtime import Runtime, initialize
+from jaxft.timeouts import Timeouts
+from jaxft.types import PyTree
+
+if TYPE_CHECKING:  # the lazy names below, for type checkers and IDEs
+    from jaxft.checkpoint import CheckpointStore, ElasticCheckpointer, Restored
+    from jaxft.data import GlobalBatches, Layout, shard_batch
+    from jaxft.membership import ElasticGroup, Members
+    from jaxft.rejoin import Rehydration
+    from jaxft.trainer import ElasticTrainer, StepRecord, TrainState, make_train_step
+    from jaxft.transfer import broadcast_tree, check_consistent, tree_norm, tree_sha256
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "jaxft.data": ("GlobalBatches", "Layout", "shard_batch"),
-    "jaxft.membership": ("ElasticGroup", "Members", "StepFailed"),
-    "jaxft.trainer": ("ConsistencyError", "ElasticTrainer", "StepRecord", "TrainState", "make_train_step"),
+    "jaxft.membership": ("ElasticGroup", "Members"),
+    "jaxft.rejoin": ("Rehydration",),
+    "jaxft.trainer": ("ElasticTrainer", "StepRecord", "TrainState", "make_train_step"),
     "jaxft.transfer": ("broadcast_tree", "check_consistent", "tree_norm", "tree_sha256"),
-    "jaxft.checkpoint": ("CheckpointError", "CheckpointMismatch", "CheckpointRejected", "CheckpointStore",
-                         "ElasticCheckpointer", "Restored", "bench_async_vs_sync"),
+    "jaxft.checkpoint": ("CheckpointStore", "ElasticCheckpointer", "Restored"),
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
 
 
-def __getattr__(name):
+def __getattr__(name: str):
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'jaxft' has no attribute {name!r}")
@@ -36,7 +53,8 @@ def __getattr__(name):
 
 
 __all__ = [
-    "Coordinator", "CoordinatorError", "EventLog", "FaultInjector", "FaultRule", "FaultSpecError",
-    "InitializeError", "LaunchConfig", "LaunchError", "Launcher", "Runtime", "initialize",
-    "parse_rules", "read_events", *_WHERE,
+    "BarrierAbandoned", "BarrierTimeout", "CheckpointError", "CheckpointMismatch", "CheckpointRejected", "ConsistencyError",
+    "Coordinator", "CoordinatorError", "Error", "EventLog", "FaultInjector", "FaultRule", "FaultSpecError",
+    "InitializeError", "LaunchConfig", "LaunchError", "Launcher", "PyTree", "Runtime", "SaveAbandoned",
+    "StepFailed", "Timeouts", "TimeoutsError", "initialize", "parse_rules", "read_events", *_WHERE,
 ]

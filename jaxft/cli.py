@@ -7,9 +7,10 @@ import sys
 from typing import Sequence
 
 from jaxft import bench, report
-from jaxft.coordinator import DEFAULT_HEARTBEAT_TIMEOUT, Coordinator, CoordinatorError, serve_forever
-from jaxft.faults import FaultSpecError
-from jaxft.launcher import RESTART_POLICIES, LaunchConfig, LaunchError, Launcher, detect_gpus
+from jaxft.coordinator import DEFAULT_HEARTBEAT_TIMEOUT, Coordinator, serve_forever
+from jaxft.errors import Error
+from jaxft.launcher import RESTART_POLICIES, LaunchConfig, Launcher, detect_gpus
+from jaxft.timeouts import Timeouts
 
 
 def _gpus(value: str) -> list[int] | str:
@@ -34,10 +35,13 @@ def _add_launch(sub) -> None:
                    help="inject a fault, e.g. kill:process=1:step=5[:phase=after-grad], "
                         "kill-all:step=13, stop:process=2:step=7, kill:process=0:after=4.5s")
     p.add_argument("--run-dir", default=None, help="events.jsonl and summary.json go here")
-    p.add_argument("--heartbeat-timeout", type=int, default=DEFAULT_HEARTBEAT_TIMEOUT,
-                   help="seconds without heartbeats before a worker counts as dead")
-    p.add_argument("--collective-timeout", type=int, default=5,
-                   help="seconds before a CPU collective with a dead peer fails")
+    p.add_argument("--heartbeat-timeout", type=int, default=None,
+                   help=f"seconds without heartbeats before a worker counts as dead (default {Timeouts.heartbeat:g})")
+    p.add_argument("--collective-timeout", type=int, default=None,
+                   help=f"seconds before a CPU collective with a dead peer fails (default {Timeouts.collective:g})")
+    p.add_argument("--timeout", action="append", default=[], metavar="NAME=SECONDS",
+                   help="set one bound of jaxft.Timeouts for the workers (repeatable); names: "
+                        + ", ".join(f"{n} (default {getattr(Timeouts, n):g})" for n in Timeouts.names()))
     p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
     p.add_argument("--bind", default="127.0.0.1", help="coordinator bind address (default: loopback)")
     p.add_argument("--gpus", type=_gpus, default="none",
@@ -91,7 +95,7 @@ def _launch(args, parser) -> int:
                           heartbeat_timeout=args.heartbeat_timeout,
                           collective_timeout=args.collective_timeout, port=args.port, bind=args.bind,
                           gpus=gpus, grace_s=args.grace,
-                          restart_delay_s=args.restart_delay)
+                          restart_delay_s=args.restart_delay, timeouts=args.timeout)
     return Launcher(config).run()
 
 
@@ -112,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   flush=True)
             serve_forever(coord)
             return 0
-    except (LaunchError, FaultSpecError, CoordinatorError) as e:
+    except Error as e:
         print(f"jaxft {args.cmd}: error: {e}", file=sys.stderr)
         return 2
     return 2

@@ -3,8 +3,7 @@
 With plain ``jax.distributed.initialize`` process 0 hosts the coordination service, so
 its death kills the job. Running the service in its own small process (``jaxft
 coordinator``, or inside ``jaxft launch``) makes every worker, process 0 included,
-expendable. This uses jaxlib's private service factory; the supported jax range is
-pinned in ``pyproject.toml`` and ``tests/test_private_api.py`` fails when it moves.
+expendable. The service factory is private jax API (reached through :mod:`jaxft._compat`).
 """
 
 from __future__ import annotations
@@ -15,12 +14,12 @@ import socket
 import threading
 from typing import Any
 
-DEFAULT_HEARTBEAT_TIMEOUT = 3
-DEFAULT_SHUTDOWN_TIMEOUT = 5
+from jaxft import _compat
+from jaxft.errors import CoordinatorError
+from jaxft.timeouts import Timeouts
 
-
-class CoordinatorError(RuntimeError):
-    """The coordination service could not be started."""
+DEFAULT_HEARTBEAT_TIMEOUT = int(Timeouts.heartbeat)
+DEFAULT_SHUTDOWN_TIMEOUT = int(Timeouts.shutdown)
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -67,12 +66,9 @@ class Coordinator:
         check_port_free(bind, self.port)
         self.bind = bind
         self.num_processes = num_processes
-        from jax._src.lib import _jax  # private: see module docstring
-
-        self._service: Any = _jax.get_distributed_runtime_service(
+        self._service: Any = _compat.start_service(
             format_address(bind, self.port), num_processes,
-            heartbeat_timeout=int(heartbeat_timeout), shutdown_timeout=int(shutdown_timeout),
-            recoverable=True)
+            heartbeat_timeout=int(heartbeat_timeout), shutdown_timeout=int(shutdown_timeout))
 
     @property
     def address(self) -> str:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-PyTree = Any
+from jaxft.types import PyTree
 
 
 class GlobalBatches:

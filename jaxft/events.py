@@ -3,17 +3,28 @@
 Every worker and the launcher append to the same file. Each event is written with a
 single ``write`` on an ``O_APPEND`` descriptor under an exclusive ``flock``, so lines
 from several processes never interleave.
+
+Every event also goes to the ``jaxft.events`` logger (with or without a run directory):
+failures and abandoned work at WARNING, recoveries at INFO, routine progress at DEBUG.
+What reaches the console is the application's (or the launcher's) choice.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import time
 from typing import Any, Iterator
 
 EVENTS_FILE = "events.jsonl"
+
+logger = logging.getLogger(__name__)
+WARNING_EVENTS = frozenset({"step_failed", "checkpoint_abandoned", "checkpoint_rejected",
+                            "checkpoint_data_mismatch", "hung"})
+INFO_EVENTS = frozenset({"exit", "fault", "join", "rehydrated", "restored", "checkpoint_saved", "final", "launch",
+                         "restart", "run_start", "run_end", "interrupted"})
 
 
 class EventLog:
@@ -31,6 +42,12 @@ class EventLog:
         record = {"time": time.time(), "event": event, "process": self.process,
                   "incarnation": self.incarnation}
         record.update(fields)  # the launcher logs on behalf of a worker: process=...
+        level = (logging.WARNING if event in WARNING_EVENTS else logging.INFO if event in INFO_EVENTS
+                 else logging.DEBUG)
+        if logger.isEnabledFor(level):
+            details = " ".join(f"{k}={v}" for k, v in fields.items())
+            logger.log(level, "process %s (incarnation %s): %s %s", record["process"], self.incarnation,
+                       event, details)
         if self.path is not None:
             line = (json.dumps(record, default=_to_json) + "\n").encode()
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -22,14 +22,11 @@ import sys
 from typing import Callable, Sequence
 
 from jaxft import envvars
+from jaxft.errors import FaultSpecError
 
 ACTIONS = ("kill", "kill-all", "stop")
 PHASES = ("before-step", "after-grad", "after-commit", "during-save")
 DEFAULT_PHASE = "after-grad"
-
-
-class FaultSpecError(ValueError):
-    """A fault spec that cannot be parsed."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,17 +24,15 @@ from typing import Sequence, TextIO
 
 from jaxft import envvars
 from jaxft.coordinator import Coordinator
+from jaxft.errors import LaunchError, TimeoutsError
 from jaxft.events import EventLog
 from jaxft.faults import FaultRule, parse_rules
+from jaxft.timeouts import Timeouts
 
 # never: a dead worker stays dead; on-failure: restart just that worker (jaxft's elastic
 # path); all: on any failure, kill every worker and restart all of them (what
 # restart-from-checkpoint launchers do; the baseline of the chaos benchmark).
 RESTART_POLICIES = ("never", "on-failure", "all")
-
-
-class LaunchError(ValueError):
-    """Bad launcher arguments."""
 
 
 @dataclasses.dataclass
@@ -47,8 +45,8 @@ class LaunchConfig:
     max_restarts: int = 10
     faults: Sequence[str] = ()
     run_dir: str | None = None
-    heartbeat_timeout: int = 3
-    collective_timeout: int = 5
+    heartbeat_timeout: int | None = None  # shortcuts for --timeout heartbeat=S / collective=S
+    collective_timeout: int | None = None
     port: int = 0
     bind: str = "127.0.0.1"
     gpus: Sequence[int] | None = None  # one local device id per process
@@ -56,6 +54,15 @@ class LaunchConfig:
     restart_delay_s: float = 0.0  # wait this long before restarting a dead worker
     hung_after_s: float | None = None  # a SIGSTOPped worker counts as dead after this
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    timeouts: Sequence[str] = ()  # NAME=SECONDS settings of jaxft.Timeouts (--timeout)
+
+    def resolved_timeouts(self) -> Timeouts:
+        """The workers' :class:`~jaxft.Timeouts`: ``--timeout`` settings, then the two shortcuts."""
+        try:
+            return Timeouts().updated(list(self.timeouts)).replace(
+                heartbeat=self.heartbeat_timeout, collective=self.collective_timeout)
+        except TimeoutsError as e:
+            raise LaunchError(str(e)) from None
 
     def validate(self) -> list[FaultRule]:
         if self.num_processes < 1:
@@ -71,11 +78,12 @@ class LaunchConfig:
             raise LaunchError("--restart-delay must be >= 0")
         if self.max_restarts < 0:
             raise LaunchError("--max-restarts must be >= 0")
-        if self.heartbeat_timeout < 1 or self.collective_timeout < 1:
+        if any(t is not None and t < 1 for t in (self.heartbeat_timeout, self.collective_timeout)):
             raise LaunchError("--heartbeat-timeout and --collective-timeout must be >= 1 second")
         if self.gpus is not None and len(self.gpus) != self.num_processes:
             raise LaunchError(f"{len(self.gpus)} GPUs given for {self.num_processes} processes; "
                               "jaxft runs one process per GPU")
+        self.resolved_timeouts()
         rules = parse_rules(list(self.faults))
         for rule in rules:
             if rule.process is not None and not 0 <= rule.process < self.num_processes:
@@ -119,6 +127,7 @@ class Launcher:
     def __init__(self, config: LaunchConfig, out: TextIO = sys.stdout):
         self.config = config
         self.rules = config.validate()
+        self.timeouts = config.resolved_timeouts()
         self.out = out
         self._print_lock = threading.Lock()
         self._stop_signal: int | None = None
@@ -150,13 +159,12 @@ class Launcher:
             envvars.EXTERNAL_COORDINATOR: "1",
             envvars.PROCESS_ID: str(worker.process_id),
             envvars.NUM_PROCESSES: str(c.num_processes),
-            envvars.HEARTBEAT_TIMEOUT: str(c.heartbeat_timeout),
-            envvars.COLLECTIVE_TIMEOUT: str(c.collective_timeout),
             envvars.INCARNATION: str(worker.incarnation),
             envvars.FAULTS: ";".join(c.faults),
             envvars.FAULT_STATE_DIR: fault_dir,
             "PYTHONUNBUFFERED": "1",
         })
+        self.timeouts.export(env)
         if c.run_dir:
             env[envvars.RUN_DIR] = os.path.abspath(c.run_dir)
         if c.gpus is not None:
@@ -211,7 +219,8 @@ class Launcher:
         exit_code = 1
         try:
             with Coordinator(c.num_processes, port=c.port, bind=c.bind,
-                             heartbeat_timeout=c.heartbeat_timeout) as coordinator:
+                             heartbeat_timeout=int(self.timeouts.heartbeat),
+                             shutdown_timeout=int(self.timeouts.shutdown)) as coordinator:
                 self.say(f"coordinator at {coordinator.address}; starting {c.num_processes} workers")
                 self.events.log("run_start", num_processes=c.num_processes, coordinator=coordinator.address,
                                 command=list(c.command), faults=list(c.faults), restart=c.restart,
@@ -230,7 +239,7 @@ class Launcher:
     def _supervise(self, coordinator: Coordinator, fault_dir: str, t0: float) -> int:
         c = self.config
         timed = [r for r in self.rules if r.launcher_side]
-        hung_after = c.hung_after_s if c.hung_after_s is not None else 2.0 * c.heartbeat_timeout
+        hung_after = c.hung_after_s if c.hung_after_s is not None else 2.0 * self.timeouts.heartbeat
         while True:
             if self._stop_signal is not None:
                 name = signal.Signals(self._stop_signal).name

@@ -21,8 +21,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import logging
 import os
-import sys
 import threading
 import time
 from typing import Callable, Iterator, Mapping, Sequence
@@ -32,24 +32,17 @@ from jax.experimental import multihost_utils
 from jax.extend import backend as jax_backend
 from jax.sharding import Mesh
 
-from jaxft.runtime import distributed_client
+from jaxft import _compat, kv
+from jaxft import timeouts as timeouts_lib
+from jaxft.errors import StepFailed
+from jaxft.rejoin import is_new
+from jaxft.timeouts import Timeouts
 
-FINISHED_KEY = "jaxft/finished"
-# Keys the CPU backend writes once per (incarnation, device list); stale after a restart.
-GLOO_KEY_PREFIX = "cpu:gloo"
-GLOBAL_TOPOLOGY_KEY = "cpu:global_topology/cpu"
-RESET_BARRIER_TIMEOUT_MS = 60_000
+logger = logging.getLogger(__name__)
+
 EXIT_BARRIER_TIMEOUT = 75  # exit code of a process that gave up waiting at a barrier
 
-
-class StepFailed(RuntimeError):
-    """A step failed on every member because processes died or restarted during it."""
-
-    def __init__(self, failed: Sequence[int], cause: BaseException | None):
-        self.failed = tuple(sorted(set(failed)))
-        self.cause = cause
-        why = f"{type(cause).__name__}: {str(cause).splitlines()[0][:200]}" if cause else "membership changed"
-        super().__init__(f"step failed; processes {list(self.failed)} failed ({why})")
+__all__ = ["ElasticGroup", "Members", "StepFailed", "EXIT_BARRIER_TIMEOUT"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,9 +87,11 @@ class ElasticGroup:
             ...  # nothing was committed anywhere; retry on the survivors
     """
 
-    def __init__(self, axis_name: str = "data", barrier_timeout_s: float = 600.0, poll_s: float = 0.5):
+    def __init__(self, axis_name: str = "data", barrier_timeout_s: float | None = None, poll_s: float = 0.5,
+                 timeouts: Timeouts | None = None):
         self.axis_name = axis_name
-        self.barrier_timeout_s = barrier_timeout_s
+        self.timeouts = (timeouts or timeouts_lib.current()).replace(barrier=barrier_timeout_s)
+        self.barrier_timeout_s = self.timeouts.barrier
         self.poll_s = poll_s
         self.process_id = jax.process_index()
         self.platform = jax.devices()[0].platform
@@ -141,7 +136,7 @@ class ElasticGroup:
 
         The barriers at entry and exit are watched: if the peers finished the run
         (:meth:`finish`) while this process waits for them, it exits 0; if a barrier
-        outlasts ``barrier_timeout_s``, it exits with :data:`EXIT_BARRIER_TIMEOUT`
+        outlasts ``Timeouts.barrier``, it exits with :data:`EXIT_BARRIER_TIMEOUT`
         rather than hang forever (``live_devices`` has no timeout of its own).
         """
         cm = multihost_utils.live_devices(jax.devices())
@@ -162,18 +157,15 @@ class ElasticGroup:
         except multihost_utils.ProcessFailureError as e:
             raise StepFailed({d.process_index for d in e.failed_devices}, e.__cause__) from e
         finally:
-            self._rekey_live_devices()
+            _compat.rekey_live_devices(jax.devices())
 
     # -- bounded waiting --------------------------------------------------------------
     def finish(self) -> None:
         """Tell late joiners the run is over, so none waits for peers that are gone."""
-        distributed_client().key_value_set(FINISHED_KEY, "1", allow_overwrite=True)
+        kv.mark_finished()
 
     def run_finished(self) -> bool:
-        try:
-            return distributed_client().key_value_try_get(FINISHED_KEY) is not None
-        except Exception:  # NOT_FOUND is raised, not returned
-            return False
+        return kv.run_finished()
 
     @contextlib.contextmanager
     def _watch(self, what: str) -> Iterator[None]:
@@ -187,15 +179,15 @@ class ElasticGroup:
             self._watchdog.disarm()
 
     def _enter(self, devices: Sequence[jax.Device]) -> Members:
-        live_map = multihost_utils.live_devices.devices
+        live_map = _compat.live_device_map()
         current = _member_map({d: live_map[d] for d in devices})
         previous = self._previous
         joined = tuple(sorted(p for p, i in current.items() if previous is not None and previous.get(p) != i))
         left = tuple(sorted(p for p in (previous or {}) if p not in current))
         if previous != current:
             self.generation += 1
-        gained = _is_new(self._agreed, current)
-        reset = self.needs_data_plane_reset and _is_new(self._synced, current)
+        gained = is_new(self._agreed, current)
+        reset = self.needs_data_plane_reset and is_new(self._synced, current)
         if reset:
             self._reset_data_plane(current)
             devices = [d for d in jax.devices() if d.process_index in current]
@@ -210,16 +202,15 @@ class ElasticGroup:
 
     def _reset_data_plane(self, current: Mapping[int, int]) -> None:
         """Agree, clear stale rendezvous keys, barrier, rebuild the CPU backend."""
-        client = distributed_client()
         digest = _map_digest(current)
         attempt = self._reset_attempts.get(digest, 0)
         self._reset_attempts[digest] = attempt + 1
         members = sorted(current)
         if self.process_id == members[0]:
-            _delete(client, GLOO_KEY_PREFIX)
-            if 0 in current:  # process 0 rewrites the global topology when it rebuilds
-                _delete(client, GLOBAL_TOPOLOGY_KEY)
-        client.wait_at_barrier(f"jaxft_reset_{digest}_{attempt}", RESET_BARRIER_TIMEOUT_MS, members)
+            # process 0 rewrites the global topology when it rebuilds
+            _compat.delete_stale_cpu_keys(kv.client(), topology=0 in current)
+        kv.wait_at_barrier(f"jaxft_reset_{digest}_{attempt}", members, self.timeouts, "reset",
+                           "rebuilding the CPU data plane for new members")
         for hook in self._pre_reset:
             hook()
         self._meshes.clear()
@@ -228,16 +219,6 @@ class ElasticGroup:
         for hook in self._post_reset:
             hook()
         self._synced = dict(current)
-
-    def _rekey_live_devices(self) -> None:
-        """Point live_devices' remembered map at the current backend's device objects."""
-        live = multihost_utils.live_devices
-        if not live.devices:
-            return
-        by_id = {d.id: d for d in jax.devices()}
-        if all(by_id.get(d.id) is d for d in live.devices):
-            return
-        live.devices = {by_id[d.id]: inc for d, inc in live.devices.items() if d.id in by_id}
 
 
 class _Watchdog:
@@ -280,27 +261,13 @@ class _Watchdog:
             if time.monotonic() - t0 > g.barrier_timeout_s:
                 _hard_exit(EXIT_BARRIER_TIMEOUT,
                            f"jaxft: process {g.process_id} waited {g.barrier_timeout_s:.0f} s while {what} "
-                           "(a peer is alive but stuck?); exiting")
-
-
-def _is_new(known: Mapping[int, int] | None, current: Mapping[int, int]) -> bool:
-    """Whether ``current`` has a member (or incarnation) absent from ``known``.
-
-    A fresh process knows nothing (``known is None``) so it always answers True, and every
-    other member answers True too because that process's incarnation is new to them. The
-    answer needs only the agreed member map: no extra round trip, no race.
-    """
-    return known is None or any(known.get(p) != i for p, i in current.items())
+                           f"(a peer is alive but stuck?), the bound {g.timeouts.describe('barrier')}; exiting")
 
 
 def _hard_exit(code: int, message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-    sys.stdout.flush()
+    """Log ``message`` and leave now (a thread cannot unwind the main thread's barrier wait)."""
+    (logger.info if code == 0 else logger.error)(message)
+    for handler in [*logging.getLogger().handlers, *logger.handlers, logging.lastResort]:
+        if handler is not None:
+            handler.flush()
     os._exit(code)
-
-
-def _delete(client, key: str) -> None:
-    try:
-        client.key_value_delete(key)
-    except Exception:
-        pass

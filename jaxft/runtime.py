@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import shlex
 import socket
 import time
-from typing import Iterator, Sequence
+from typing import Sequence
 
-from jaxft import envvars
+from jaxft import _compat, envvars
+from jaxft import timeouts as timeouts_lib
+from jaxft.errors import InitializeError, TimeoutsError
 from jaxft.events import EventLog
 from jaxft.faults import FaultInjector, FaultRule
+from jaxft.timeouts import Timeouts
 
-DEFAULT_HEARTBEAT_TIMEOUT = 3
-DEFAULT_COLLECTIVE_TIMEOUT = 5
-DEFAULT_INITIALIZATION_TIMEOUT = 60
+DEFAULT_HEARTBEAT_TIMEOUT = int(Timeouts.heartbeat)
+DEFAULT_COLLECTIVE_TIMEOUT = int(Timeouts.collective)
+DEFAULT_INITIALIZATION_TIMEOUT = int(Timeouts.initialization)
 
 # From the JAX fault-tolerance guide: NCCL errors must not terminate the process, and
 # collectives must be abortable when a participant dies (GPU only; ignored on CPU).
@@ -35,10 +39,6 @@ CPU_COLLECTIVE_TIMEOUT_FLAG = "xla_cpu_collective_timeout_seconds"
 _LOCAL_COORDINATOR = None  # the private service of a single-process run
 
 
-class InitializeError(RuntimeError):
-    """``jaxft.initialize`` was called wrongly or could not connect."""
-
-
 @dataclasses.dataclass
 class Runtime:
     """What a worker knows about itself after :func:`initialize`."""
@@ -53,6 +53,7 @@ class Runtime:
     run_dir: str | None
     events: EventLog
     faults: FaultInjector
+    timeouts: Timeouts = dataclasses.field(default_factory=Timeouts)
 
 
 def merge_xla_flags(existing: str, wanted: dict[str, str]) -> str:
@@ -75,43 +76,7 @@ def configure_environment(collective_timeout: int, environ=os.environ) -> None:
         environ.setdefault(key, value)
 
 
-def backend_started() -> bool:
-    from jax._src import xla_bridge
-
-    return bool(xla_bridge.backends_are_initialized())
-
-
-@contextlib.contextmanager
-def _no_service_start() -> Iterator[None]:
-    """Stop ``jax.distributed.initialize`` from starting a service in process 0.
-
-    jax starts the coordination service inside process 0 unconditionally; with an
-    external coordinator that second service would be wrong (and process 0 would become
-    special again). We swap the factory jax's distributed module calls for a stub.
-    """
-    from jax._src import distributed
-
-    real = distributed._jax
-
-    class _NoService:
-        def shutdown(self) -> None:
-            pass
-
-    class _Proxy:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        @staticmethod
-        def get_distributed_runtime_service(*args, **kwargs):
-            return _NoService()
-
-    distributed._jax = _Proxy()
-    try:
-        yield
-    finally:
-        distributed._jax = real
-        if isinstance(distributed.global_state.service, _NoService):
-            distributed.global_state.service = None
+backend_started = _compat.backend_started
 
 
 def _resolve(value, env_name: str, environ, parse=int):
@@ -138,8 +103,9 @@ def initialize(coordinator_address: str | None = None,
                external_coordinator: bool | None = None,
                heartbeat_timeout: int | None = None,
                collective_timeout: int | None = None,
-               initialization_timeout: int = DEFAULT_INITIALIZATION_TIMEOUT,
+               initialization_timeout: int | None = None,
                run_dir: str | None = None,
+               timeouts: Timeouts | None = None,
                environ=os.environ) -> Runtime:
     """Initialize multi-controller JAX so that processes can fail and come back.
 
@@ -149,7 +115,10 @@ def initialize(coordinator_address: str | None = None,
     service with a short heartbeat so dead peers are noticed in seconds.
 
     Arguments left as None are read from the environment ``jaxft launch`` sets
-    (``JAXFT_COORDINATOR_ADDRESS``, ``JAXFT_PROCESS_ID``, ...).
+    (``JAXFT_COORDINATOR_ADDRESS``, ``JAXFT_PROCESS_ID``, ``JAXFT_TIMEOUTS``, ...).
+    ``timeouts`` sets every bound at once (:class:`~jaxft.Timeouts`); the
+    ``*_timeout`` arguments override its fields. The result becomes this process's
+    settings (:func:`jaxft.timeouts.current`), read by every later wait.
 
     With ``external_coordinator=True`` (what ``jaxft launch`` and ``jaxft coordinator``
     provide) no worker starts the service, so any worker, process 0 included, can die
@@ -169,14 +138,12 @@ def initialize(coordinator_address: str | None = None,
     """
     import jax
 
-    if backend_started():
+    if _compat.backend_started():
         raise InitializeError(
             "jaxft.initialize() must run before JAX starts its backend, but a backend is "
             "already up (something called jax.devices() or ran a computation first). "
             "Call jaxft.initialize() at the top of your program, before any other JAX use.")
-    from jax._src import distributed
-
-    if distributed.global_state.client is not None:
+    if _compat.distributed_client_or_none() is not None:
         raise InitializeError("jax.distributed is already initialized; call jaxft.initialize() once, "
                               "instead of jax.distributed.initialize().")
 
@@ -184,12 +151,14 @@ def initialize(coordinator_address: str | None = None,
     num_processes = _resolve(num_processes, envvars.NUM_PROCESSES, environ)
     process_id = _resolve(process_id, envvars.PROCESS_ID, environ)
     local_device_ids = _resolve(local_device_ids, envvars.LOCAL_DEVICE_IDS, environ, _parse_ids)
-    heartbeat_timeout = _resolve(heartbeat_timeout, envvars.HEARTBEAT_TIMEOUT, environ)
-    if heartbeat_timeout is None:
-        heartbeat_timeout = DEFAULT_HEARTBEAT_TIMEOUT
-    collective_timeout = _resolve(collective_timeout, envvars.COLLECTIVE_TIMEOUT, environ)
-    if collective_timeout is None:
-        collective_timeout = DEFAULT_COLLECTIVE_TIMEOUT
+    try:
+        base = timeouts if timeouts is not None else Timeouts.from_env(environ)
+        timeouts = base.replace(heartbeat=heartbeat_timeout, collective=collective_timeout,
+                                initialization=initialization_timeout)
+    except TimeoutsError as e:
+        raise InitializeError(str(e)) from None
+    heartbeat_timeout, collective_timeout = int(timeouts.heartbeat), int(timeouts.collective)
+    initialization_timeout = timeouts.initialization
     if external_coordinator is None:
         external_coordinator = environ.get(envvars.EXTERNAL_COORDINATOR, "0") == "1"
     run_dir = run_dir or environ.get(envvars.RUN_DIR) or None
@@ -215,61 +184,52 @@ def initialize(coordinator_address: str | None = None,
         raise InitializeError(f"num_processes must be >= 1, got {num_processes}")
     if not 0 <= process_id < num_processes:
         raise InitializeError(f"process_id must be in [0, {num_processes}), got {process_id}")
-    if heartbeat_timeout < 1 or collective_timeout < 1:
-        raise InitializeError("heartbeat_timeout and collective_timeout must be >= 1 second")
 
     configure_environment(collective_timeout, environ)
     jax.config.update("jax_enable_recoverability", True)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # A peer that dies while the CPU backends exchange topologies would otherwise leave
-    # the others waiting 2 + 5 minutes; fail in 1 + 2 instead (minutes are the unit).
-    jax.config.update("jax_cpu_get_local_topology_timeout_minutes", 1)
-    jax.config.update("jax_cpu_get_global_topology_timeout_minutes", 2)
+    # the others waiting 2 + 5 minutes; bound both by Timeouts.topology (minutes are the unit).
+    topology_minutes = max(1, math.ceil(timeouts.topology / 60))
+    jax.config.update("jax_cpu_get_local_topology_timeout_minutes", max(1, topology_minutes // 2))
+    jax.config.update("jax_cpu_get_global_topology_timeout_minutes", topology_minutes)
 
     kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
                   process_id=process_id, heartbeat_timeout_seconds=int(heartbeat_timeout),
-                  initialization_timeout=int(initialization_timeout))
+                  initialization_timeout=max(1, int(initialization_timeout)))
     if local_device_ids is not None:
         kwargs["local_device_ids"] = list(local_device_ids)
     if external_coordinator or process_id != 0:
-        # jaxlib aborts the whole process (SIGABRT) when registration times out; find an
+        # jax's client aborts the whole process (SIGABRT) when registration times out; find an
         # unreachable coordinator ourselves and say so.
         _wait_reachable(coordinator_address, initialization_timeout, process_id)
-    guard = _no_service_start() if external_coordinator else contextlib.nullcontext()
+    guard = _compat.no_service_start() if external_coordinator else contextlib.nullcontext()
     try:
         with guard:
             jax.distributed.initialize(**kwargs)
-    except Exception as e:  # jaxlib raises XlaRuntimeError / ValueError with terse texts
+    except Exception as e:  # jax raises XlaRuntimeError / ValueError with terse texts
         raise InitializeError(
             f"could not connect process {process_id} to the coordination service at "
-            f"{coordinator_address} within {initialization_timeout} s: {e}") from e
+            f"{coordinator_address} within {timeouts.describe('initialization')}: {e}") from e
 
     if external_coordinator:
         _clear_stale_topology(process_id)
     events = EventLog(run_dir, process_id, incarnation)
     faults = FaultInjector.from_env(process_id, on_fire=_fault_logger(events), environ=environ)
+    timeouts_lib.set_current(timeouts)
     return Runtime(process_id=process_id, num_processes=num_processes, incarnation=incarnation,
                    coordinator_address=coordinator_address,
                    external_coordinator=bool(external_coordinator),
                    heartbeat_timeout=int(heartbeat_timeout),
                    collective_timeout=int(collective_timeout), run_dir=run_dir,
-                   events=events, faults=faults)
-
-
-# Written once by process 0 when its CPU backend starts; a restarted process 0 would fail
-# with ALREADY_EXISTS on the old incarnation's copy. The topology itself cannot change.
-STALE_TOPOLOGY_KEYS = ("cpu:global_topology/cpu",)
+                   events=events, faults=faults, timeouts=timeouts)
 
 
 def _clear_stale_topology(process_id: int) -> None:
-    if process_id != 0:
-        return
-    client = distributed_client()
-    for key in STALE_TOPOLOGY_KEYS:
-        try:
-            client.key_value_delete(key)
-        except Exception:  # absent on a first start
-            pass
+    """Process 0's CPU backend writes the global topology once; a restarted process 0 would
+    fail with ALREADY_EXISTS on the old incarnation's copy (the topology cannot change)."""
+    if process_id == 0:
+        _compat.delete_global_topology_key(_compat.distributed_client())
 
 
 def _wait_reachable(address: str, timeout: float, process_id: int) -> None:
@@ -300,11 +260,4 @@ def _fault_logger(events: EventLog):
     return on_fire
 
 
-def distributed_client():
-    """The live ``jax.distributed`` client (private jax state; pinned jax range)."""
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    if client is None:
-        raise InitializeError("jax.distributed is not initialized; call jaxft.initialize() first")
-    return client
+distributed_client = _compat.distributed_client  # kept for callers of jaxft.runtime.distributed_client

@@ -11,8 +11,7 @@ the lowest-numbered member holding the latest step.
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,22 +19,15 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxft import transfer
+from jaxft import rejoin, transfer
 from jaxft.data import GlobalBatches, shard_batch
+from jaxft.errors import ConsistencyError, StepFailed
 from jaxft.events import EventLog
 from jaxft.faults import FaultInjector
-from jaxft.membership import ElasticGroup, Members, StepFailed
+from jaxft.membership import ElasticGroup, Members
+from jaxft.types import PyTree
 
-PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]  # (params, batch[B, ...]) -> per-example loss [B]
-
-
-class ConsistencyError(RuntimeError):
-    """Members hold different parameters: a bug or silent corruption, never ignored."""
-
-    def __init__(self, step: int, processes: list[int]):
-        self.step, self.processes = step, processes
-        super().__init__(f"params diverged at step {step}: processes {processes} disagree with the majority")
 
 
 @dataclasses.dataclass
@@ -172,26 +164,15 @@ class ElasticTrainer:
         return _replicate(state.params, m.mesh), _replicate(state.opt_state, m.mesh)
 
     # -- joiners ------------------------------------------------------------------------
-    def _sync_state(self, m: Members) -> tuple[TrainState, dict | None]:
-        """Agree on the step; rehydrate members behind the latest one from a donor."""
-        row = np.array([self.state.step, self.group.generation], np.int64)
-        rows = transfer.allgather_rows(row, m.mesh)
-        procs = [d.process_index for d in m.devices]
-        steps = {p: int(r[0]) for p, r in zip(procs, rows)}
-        self.group.generation = int(rows[:, 1].max())
-        latest = max(steps.values())
-        if all(s == latest for s in steps.values()):
-            return self.state, None
-        donor = min(p for p, s in steps.items() if s == latest)
-        t0 = time.perf_counter()
-        payload = {"step": np.int64(self.state.step), "params": self.state.params,
-                   "opt_state": self.state.opt_state}
-        got = transfer.broadcast_tree(payload, donor, m.mesh)
-        info = None
-        if steps[self.group.process_id] != latest:
-            info = {"step": latest, "from_step": steps[self.group.process_id], "donor": donor,
-                    "bytes": transfer.tree_nbytes(payload), "seconds": round(time.perf_counter() - t0, 4)}
-        return TrainState(int(got["step"]), got["params"], got["opt_state"]), info
+    def _sync_state(self, m: Members) -> tuple[TrainState, rejoin.Rehydration | None]:
+        """Agree on the step; rehydrate members behind the latest one from a donor (see jaxft.rejoin)."""
+        s = self.state
+        steps, self.group.generation = rejoin.agree_steps(s.step, self.group.generation, m)
+        step, tree, info = rejoin.rehydrate(s.step, {"params": s.params, "opt_state": s.opt_state}, m,
+                                            self.group.process_id, steps)
+        if info is None and step == s.step:
+            return s, info
+        return TrainState(step, tree["params"], tree["opt_state"]), info
 
     # -- the loop -----------------------------------------------------------------------
     def run(self, num_steps: int) -> TrainState:
@@ -226,8 +207,8 @@ class ElasticTrainer:
                             cause=str(e.cause).splitlines()[0][:300] if e.cause else "membership changed")
             return None
         if rehydrated is not None:
-            self.events.log("join", step=rehydrated["from_step"], process=self.group.process_id)
-            self.events.log("rehydrated", **rehydrated)
+            self.events.log("join", step=rehydrated.from_step, process=self.group.process_id)
+            self.events.log("rehydrated", **dataclasses.asdict(rehydrated))
         self.state = TrainState(step + 1, new_params, _local(opt_state))
         self._global = (tuple(d.id for d in m.devices), self.state.params, self.state.opt_state,
                         params, opt_state)

@@ -7,14 +7,13 @@ gloo (CPU) and NCCL (GPU) alike and fails like any other collective when a peer 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-PyTree = Any
+from jaxft.types import PyTree
 DEFAULT_CHUNK_BYTES = 16 << 20  # bounds the extra memory of a transfer per process
 
 

@@ -281,8 +281,8 @@ UNIT = r"""
 import collections, glob, json, os, sys
 import numpy as np
 import ml_dtypes
-from jaxft.checkpoint import (CheckpointMismatch, CheckpointStore, state_checksum, flatten_state,
-                              _PrimaryNumpyHandler, _set_orbax_barrier_timeout)
+from jaxft.checkpoint import CheckpointMismatch, CheckpointStore, state_checksum, flatten_state
+from jaxft.checkpoint.orbax import PrimaryNumpyHandler, set_barrier_timeout
 from jaxft.events import EventLog, read_events
 
 root = sys.argv[1]
@@ -382,31 +382,102 @@ def test_single_process_round_trip_of_many_dtypes(tmp_path):
 
 @pytest.mark.smoke
 def test_orbax_private_names_still_exist():
-    """jaxft.checkpoint uses a few private Orbax names (pinned 0.12.x); fail loudly if they move."""
-    out = _in_fresh_python("""
-import json, inspect
+    """jaxft.checkpoint.orbax uses a few Orbax internals (pinned 0.12.x, listed in its
+    docstring); fail loudly if one moves or stops doing what the adapter relies on."""
+    out = _in_fresh_python(r"""
+import json, inspect, os, re, tempfile
+import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.multihost import multihost
 from orbax.checkpoint._src.serialization import ocdbt_utils, tensorstore_utils, type_handlers
-from orbax.checkpoint._src.path import step
 from orbax.checkpoint._src.checkpointers import async_checkpointer
 from orbax.checkpoint._src.futures import future, synchronization
 from jax._src.lib import _jax
+from jaxft.checkpoint import orbax as adapter
+from jaxft.errors import SaveAbandoned
+from jaxft.timeouts import Timeouts
+
+root = tempfile.mkdtemp()
+item = {"step": np.asarray(1, np.int64), "leaves": {"00000_w": np.arange(12, dtype=np.float32).reshape(3, 4),
+                                                     "00001_b": np.array([1, -2], np.int8)}}
+
+def files(d):  # relative paths, OCDBT data files by directory only (their names are random)
+    return sorted(re.sub(r"/d/[0-9a-f]+$", "/d/*", os.path.relpath(os.path.join(r, f), d))
+                  for r, _, fs in os.walk(d) for f in fs)
+
+# 1. The numpy handler: Orbax's writes from process 0 only; the adapter's (primary host)
+#    writes the same format, which Orbax's stock handlers read back.
 h = type_handlers.NumpyHandler()
+stock, ours = os.path.join(root, "stock"), os.path.join(root, "ours")
+os.makedirs(stock); os.makedirs(ours)
+m = ocp.CheckpointManager(stock, options=ocp.CheckpointManagerOptions(
+    create=False, enable_async_checkpointing=False, save_root_metadata=False))
+m.save(1, args=ocp.args.Composite(state=ocp.args.PyTreeSave(item)), force=True); m.wait_until_finished(); m.close()
+m = adapter.sync_manager(ours, 0, keep=None)
+m.save(1, args=adapter.save_args(item), force=True); m.wait_until_finished(); m.close()
+m = ocp.CheckpointManager(ours, options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+np_args = ocp.RestoreArgs(restore_type=np.ndarray)
+back = m.restore(1, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+    restore_args={"step": np_args, "leaves": {n: np_args for n in item["leaves"]}})))["state"]
+m.close()
+same_meta = (open(os.path.join(stock, "1", "state", "_METADATA")).read()
+             == open(os.path.join(ours, "1", "state", "_METADATA")).read())
+
+# 4. Orbax's barrier names: the save-in-progress flag is set at save start and reset at
+#    finalize (so a second arrival without the commit means a failed background phase).
+keys = []
+def record(*, key, timeout_ms):
+    keys.append(key)
+ad = os.path.join(root, "async"); os.makedirs(ad)
+m = adapter.save_manager(ad, [0], "pfx", keep=None, barrier=record, async_timeout_s=60, before_commit=None)
+m.save(1, args=adapter.save_args(item), force=True); m.wait_until_finished(); m.close()
+b = adapter.SaveBarrier("ns", [0, 1], 0, None, timeouts=Timeouts())
+b._arriving("p_" + adapter.FINALIZE_KEY, 0)
+try:
+    b._arriving("p_" + adapter.FINALIZE_KEY, 1)
+    failed_phase_reported = False
+except SaveAbandoned:
+    failed_phase_reported = True
+b = adapter.SaveBarrier("ns", [0, 1], 0, None, timeouts=Timeouts())
+b._passed("p_" + adapter.COMMIT_KEY + ".1", 0)
+b._arriving("p_" + adapter.FINALIZE_KEY, 1)  # committed: the finalize reset is normal
+
+# 2. and 3.
+adapter.set_barrier_timeout(7)
+adapter.private_signal_keys()
+signal = list(synchronization.HandlerAwaitableSignal)[0]
+signal_key = future.AwaitableSignalsContract.get_unique_awaitable_singal_key(signal, "1")
+# 5. a manager's checkpointer, closed directly when close() re-raises a failed save
+reader = adapter.read_manager(ours, 0)
+checkpointer_close = callable(getattr(getattr(reader, "_checkpointer", None), "close", None))
+adapter.close_quietly(reader)
 src = inspect.getsource(async_checkpointer._background_wait_for_commit_futures)
 print(json.dumps({
-  "timeout": isinstance(multihost._DEFAULT_BARRIER_TIMEOUT, int),
+  "timeout": multihost.coordination_timeout() == 7 == adapter.barrier_timeout()
+             and "timeout or _DEFAULT_BARRIER_TIMEOUT" in inspect.getsource(multihost.sync_global_processes),
   "write_spec": callable(tensorstore_utils.build_array_write_spec),
-  "subdir": callable(ocdbt_utils.get_process_index_for_subdir),
-  "finalized": callable(step.is_path_finalized),
+  "subdir": (ocdbt_utils.get_process_index_for_subdir(use_ocdbt=True) == ocp.multihost.process_index() == 0
+             and ocdbt_utils.get_process_index_for_subdir(use_ocdbt=False) is None),
+  "finalized": (adapter.is_finalized(os.path.join(ours, "1")) and adapter.is_finalized(os.path.join(ad, "1"))
+                and not adapter.is_finalized(os.path.join(ours, "2" + adapter.TMP_SUFFIX))
+                and adapter.TMP_SUFFIX == ".orbax-checkpoint-tmp"),
   "handler": all(hasattr(h, a) for a in ("_open_and_write", "_metadata_key", "_override_ocdbt_process_id",
                                           "_background_serialize")),
-  "barrier_hook": all(k in src for k in ("async_write_complete", "async_commit_complete", "on_commit_callback()")),
-  "finalize_flag": ("ThreadSaveMultiHostValueHolder:set_value_start" in inspect.getsource(synchronization)
+  "same_format": files(stock) == files(ours) and same_meta,
+  "reads_back": all(np.array_equal(back["leaves"][n], a) and back["leaves"][n].dtype == a.dtype
+                    for n, a in item["leaves"].items()) and int(back["step"]) == 1,
+  "barrier_hook": all(k in src for k in ("async_write_complete", adapter.COMMIT_KEY, "on_commit_callback()")),
+  "finalize_flag": ([k for k in keys if adapter.FINALIZE_KEY in k] == ["pfx_" + adapter.FINALIZE_KEY] * 2
+                    and adapter.FINALIZE_KEY in inspect.getsource(synchronization)
                     and "_save_progress_tracker.set(False)" in inspect.getsource(ocp.CheckpointManager._finalize)),
+  "failed_phase_reported": failed_phase_reported,
   "numpy_process0": "multihost.process_index() == 0" in inspect.getsource(type_handlers.NumpyHandler),
-  "signal_prefix": isinstance(future.AwaitableSignalsContract.awaitable_signals_contract_prefix, str),
-  "preemption_hook": callable(getattr(ocp.CheckpointManager, "reached_preemption", None)),
+  "signal_prefix": (signal_key.startswith(adapter.signal_prefix() + "_1/")
+                    and adapter.signal_prefix().startswith(f"awaitable_signals_contract_jaxft_{os.getpid()}_")),
+  "preemption_hook": (callable(getattr(ocp.CheckpointManager, "reached_preemption", None))
+                      and "self.reached_preemption(step)" in inspect.getsource(ocp.CheckpointManager.save)
+                      and adapter.LiveSetCheckpointManager.reached_preemption(None, 1) is False),
+  "checkpointer_close": checkpointer_close,
   "kv_client": all(hasattr(_jax.DistributedRuntimeClient, m) for m in
                    ("key_value_dir_get", "key_value_try_get", "key_value_delete", "key_value_set")),
 }))

@@ -1,5 +1,7 @@
 """The private jax/jaxlib API jaxft is pinned to (see the jax bound in pyproject.toml).
 
+Every borrowed name lives in ``jaxft/_compat.py``; these tests check that the names are
+there *and* that each shim function still does what jaxft relies on, with real processes.
 Each check fails with a message that names the moved piece: when one fails on a new jax
 release, jaxft must be adapted before that release is allowed by pyproject's bound.
 """
@@ -7,11 +9,12 @@ release, jaxft must be adapted before that release is allowed by pyproject's bou
 import importlib
 import inspect
 import json
+import sys
 
 import jax
 import pytest
 
-from helpers import run_python
+from helpers import by_event, events, launch, run_python, REPO
 
 pytestmark = pytest.mark.smoke
 
@@ -131,12 +134,12 @@ def test_service_and_client_work_together():
     code = """
 import json, socket
 from jax._src.lib import _jax
+from jaxft import _compat
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
 address = f"127.0.0.1:{port}"
-service = _jax.get_distributed_runtime_service(address, 1, heartbeat_timeout=3, shutdown_timeout=5,
-                                               recoverable=True)
+service = _compat.start_service(address, 1, heartbeat_timeout=3, shutdown_timeout=5)
 client = _jax.get_distributed_runtime_client(address, 0, init_timeout=20, heartbeat_timeout=3,
                                              use_compression=True)
 client.connect()
@@ -164,3 +167,81 @@ service.shutdown()
     assert out["after_delete"].startswith("raised"), moved(f"key_value_try_get on a missing key: {out}")
     assert list(out["live"]) == ["0"], moved(f"get_live_nodes returned {out['live']}")
     assert isinstance(out["live"]["0"], int), moved(f"get_live_nodes values are not incarnations: {out}")
+
+
+def test_backend_started_tracks_the_backend():
+    code = """
+import json
+from jaxft import _compat
+before = _compat.backend_started()
+import jax
+jax.devices()
+print(json.dumps([before, _compat.backend_started()]))
+"""
+    r = run_python(code, timeout=60)
+    assert r.returncode == 0, r.describe()
+    assert r.stdout.strip().splitlines()[-1] == "[false, true]", moved(
+        "jax._src.xla_bridge.backends_are_initialized no longer reports the backend state") + r.describe()
+
+
+def test_no_service_start_keeps_process_0_a_plain_client():
+    """With an external service, process 0 connects without starting a second one."""
+    code = """
+import json
+from jax._src import distributed
+from jaxft import _compat
+from jaxft.coordinator import Coordinator
+coord = Coordinator(1)
+real = distributed._jax
+with _compat.no_service_start():
+    import jax
+    jax.distributed.initialize(coord.address, 1, 0, initialization_timeout=20)
+out = {"service": distributed.global_state.service is None, "restored": distributed._jax is real,
+       "client": _compat.distributed_client() is not None}
+_compat.distributed_client().key_value_set("jaxft/x", "1")
+out["kv"] = _compat.distributed_client().key_value_try_get("jaxft/x")
+print(json.dumps(out), flush=True)
+jax.distributed.shutdown()
+coord.shutdown()
+"""
+    r = run_python(code, timeout=60)
+    assert r.returncode == 0, moved("jax.distributed.initialize with the service factory swapped fails") + \
+        "\n" + r.describe()
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"service": True, "restored": True, "client": True, "kv": "1"}, moved(
+        f"jax._src.distributed._jax / global_state changed: {out}")
+
+
+def test_distributed_client_before_initialize_is_a_clear_error():
+    code = """
+from jaxft import _compat
+from jaxft.errors import InitializeError
+assert _compat.distributed_client_or_none() is None
+try:
+    _compat.distributed_client()
+except InitializeError as e:
+    print("raised:", e)
+"""
+    r = run_python(code, timeout=30)
+    assert r.returncode == 0, r.describe()
+    assert "raised: jax.distributed is not initialized" in r.stdout, r.describe()
+
+
+def test_cpu_rendezvous_keys_and_live_devices_state(tmp_path):
+    """Two real processes: the gloo and topology keys jaxft deletes exist under those names and
+    vanish; live_devices' remembered map holds incarnations; after a backend rebuild with the map
+    re-keyed, the processes agree and compute again (what a CPU rejoin relies on)."""
+    r = launch(2, [sys.executable, str(REPO / "tests" / "workers" / "private_keys.py")], run_dir=tmp_path,
+               timeout=120)
+    assert r.returncode == 0, r.describe()
+    (out,) = by_event(events(tmp_path), "private_keys")
+    assert out["gloo_keys_before"] > 0, moved(f"no key under {out!r}: the CPU backend's gloo rendezvous keys "
+                                              "are no longer named cpu:gloo/...")
+    assert out["topology_before"] is True, moved("the CPU backend's global topology key is no longer "
+                                                 "cpu:global_topology/cpu")
+    assert out["gloo_keys_after"] == 0 and out["topology_after"] is False, out
+    assert [p for p, _ in out["live_map"]] == [0, 1], moved(f"live_devices.devices changed: {out['live_map']}")
+    assert all(isinstance(i, int) for _, i in out["live_map"]), out
+    assert out["rekeyed"] is True, moved("live_devices.devices can no longer be re-keyed")
+    assert out["live_after"] == [0, 1], out
+    assert out["sum_after"] == out["sum_before"], out

@@ -4,19 +4,15 @@ The consistency guard (check every 5 steps) must then stop every member with a
 ConsistencyError naming process 1.
 """
 
-import sys
-
 import numpy as np
 
-sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/examples")
-
-import jaxft  # noqa: E402
+import jaxft
 
 rt = jaxft.initialize()
 
 import jax  # noqa: E402
 import optax  # noqa: E402
-from mlp import init_params, loss_fn, make_dataset  # noqa: E402
+from jaxft.bench.mlp import init_params, loss_fn, make_dataset  # noqa: E402
 
 
 def corrupt(trainer, record):

@@ -1,0 +1,88 @@
+"""``jaxft bench``: figures, never assertions.
+
+* ``jaxft bench overhead -n 2``: per-step time of the atomic elastic step next to a plain
+  multi-process JAX loop (:mod:`jaxft.bench.overhead`).
+* ``jaxft bench rehydrate --mb 100``: state transfer to a joiner next to a TCP loopback
+  copy (:mod:`jaxft.bench.rehydrate`).
+* ``jaxft bench chaos -n 4``: goodput under failures, jaxft vs restart-all
+  (:mod:`jaxft.bench.chaos`, workload :mod:`jaxft.bench.mlp`).
+* ``jaxft bench checkpoint``: step-loop blocking of an async save vs a synchronous save
+  (:mod:`jaxft.bench.checkpoint`).
+
+Submodules import lazily, so ``jaxft --help`` does not load jax.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks that print figures")
+    which = p.add_subparsers(dest="bench", required=True)
+    o = which.add_parser("overhead", help="atomic elastic step vs a plain multi-process loop")
+    o.add_argument("-n", type=int, default=2)
+    o.add_argument("--steps", type=int, default=100)
+    o.add_argument("--hidden", type=int, default=512)
+    o.add_argument("--global-batch", type=int, default=512)
+    r = which.add_parser("rehydrate", help="state transfer to a joiner vs a TCP loopback copy")
+    r.add_argument("-n", type=int, default=2)
+    r.add_argument("--mb", type=float, default=100)
+    c = which.add_parser("chaos", help="goodput under failures: jaxft vs restart-all-from-checkpoint")
+    c.add_argument("-n", type=int, default=4)
+    c.add_argument("--steps", type=int, default=150)
+    c.add_argument("--kill-every", type=float, default=10.0, help="seconds between kills")
+    c.add_argument("--checkpoint-every", type=int, default=20)
+    c.add_argument("--step-sleep", type=float, default=0.1, help="stretch each step by this many seconds")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--keep-dirs", default=None, help="keep the three run directories under this path")
+    c.add_argument("--no-overhead", action="store_true", help="skip the per-step overhead measurement")
+    k = which.add_parser("checkpoint", help="async save blocking time vs a synchronous save")
+    k.add_argument("--mb", type=float, default=100, help="state size in MB")
+    k.add_argument("--repeats", type=int, default=3)
+    k.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    for q in (o, r, c, k):
+        q.add_argument("--json", default=None, help="also write the figures to this file")
+
+
+def run(args) -> int:
+    if args.bench == "overhead":
+        from jaxft.bench.overhead import bench_overhead
+
+        figures = bench_overhead(args.n, args.steps, args.hidden, args.global_batch)
+        print(f"per step: elastic {figures['elastic_ms']:.2f} ms, plain {figures['plain_ms']:.2f} ms, "
+              f"ratio {figures['ratio']:.3f} ({figures['processes']} processes)")
+    elif args.bench == "chaos":
+        from jaxft.bench.chaos import bench_chaos
+
+        figures = bench_chaos(args.n, args.steps, args.kill_every, args.checkpoint_every, args.step_sleep,
+                              args.seed, args.keep_dirs, overhead=not args.no_overhead)
+        print(f"{'':12s} {'goodput':>8s} {'steps lost':>10s} {'recovery s':>10s} {'train s':>8s}")
+        for name in ("fault_free", "jaxft", "restart_all"):
+            f = figures[name]
+            print(f"{name:12s} {f['goodput']:8.3f} {f['steps_lost']:10d} {str(f['recovery_s']):>10s} "
+                  f"{f['train_s']:8.1f}")
+        print(f"{len(figures['schedule'])} kills, one every {args.kill_every:g} s; "
+              f"checkpoint every {args.checkpoint_every} steps")
+        if "overhead_ratio" in figures:
+            o = figures["overhead"]
+            print(f"per-step overhead of jaxft over a plain JAX loop: {o['ratio']:.3f} "
+                  f"({o['elastic_ms']:.2f} vs {o['plain_ms']:.2f} ms)")
+    elif args.bench == "checkpoint":
+        from jaxft.bench.checkpoint import bench_async_vs_sync, format_figures
+
+        figures = bench_async_vs_sync(args.mb * 1e6, args.repeats, args.dir)
+        print(format_figures(figures))
+    else:
+        from jaxft.bench.rehydrate import bench_rehydrate
+
+        figures = bench_rehydrate(args.n, args.mb)
+        print(f"rehydrate {figures['bytes'] / 1e6:.1f} MB: {figures['seconds']:.3f} s "
+              f"({figures['mb_per_s']} MB/s); TCP loopback {figures['socket_seconds']:.3f} s "
+              f"({figures['socket_mb_per_s']} MB/s); ratio {figures['ratio']} (correct: {figures['correct']})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0
+
+

@@ -1,0 +1,90 @@
+"""``jaxft bench chaos``: the same training fault-free, with jaxft under a kill schedule, and
+with restart-everything-from-checkpoint (``jaxft launch --restart all``) under the same
+schedule. The workload is :mod:`jaxft.bench.mlp`, shipped in the package, so the benchmark
+runs from an installed jaxft."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from jaxft.bench.overhead import bench_overhead
+from jaxft.events import read_events
+from jaxft.report import first_commits, recovery_times
+
+
+def run_figures(events: list[dict], steps: int) -> dict:
+    """Training time, steps lost and recovery times of one run, from its events."""
+    first = first_commits(events)
+    counts: dict[tuple[int, int], int] = {}
+    for e in events:
+        if e["event"] == "commit":
+            counts[(e["process"], e["step"])] = counts.get((e["process"], e["step"]), 0) + 1
+    if sorted(first) != list(range(steps)):
+        raise SystemExit(f"run did not commit steps 0..{steps - 1}")
+    per_process: dict[int, int] = {}
+    for (p, _), c in counts.items():
+        per_process[p] = per_process.get(p, 0) + c - 1
+    _, recoveries = recovery_times(events)
+    train_s = first[steps - 1] - first[0]
+    return {"train_s": round(train_s, 3), "steps_per_s": round((steps - 1) / train_s, 3),
+            "steps_lost": max(per_process.values(), default=0),
+            "recovery_s": round(statistics.mean(recoveries), 3) if recoveries else None,
+            "faults": len(recoveries)}
+
+
+def bench_chaos(n: int = 4, steps: int = 150, kill_every: float = 10.0, checkpoint_every: int = 20,
+                step_sleep: float = 0.1, seed: int = 0, keep_dirs: str | None = None,
+                overhead: bool = True) -> dict:
+    """The same training three ways: fault-free, jaxft with kills, restart-all with kills."""
+    import random
+
+    base = keep_dirs or tempfile.mkdtemp(prefix="jaxft-chaos-")
+    worker = ["-m", "jaxft.bench.mlp", "--steps", str(steps), "--step_sleep", str(step_sleep),
+              "--checkpoint_every", str(checkpoint_every), "--check_every", "0"]
+
+    def job(name: str, restart: str, faults: list[str]) -> list[dict]:
+        run_dir = os.path.join(base, name)
+        cmd = [sys.executable, "-m", "jaxft.cli", "launch", "-n", str(n), "--run-dir", run_dir,
+               "--restart", restart, "--max-restarts", "50"]
+        for f in faults:
+            cmd += ["--fault", f]
+        proc = subprocess.run(cmd + ["--", sys.executable, *worker], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"chaos run {name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+        return read_events(run_dir)
+
+    ff_events = job("fault_free", "on-failure", [])
+    start = min(e["time"] for e in ff_events)
+    first_commit = min(e["time"] for e in ff_events if e["event"] == "commit") - start
+    last_commit = max(e["time"] for e in ff_events if e["event"] == "commit") - start
+    rng = random.Random(seed)
+    times = []
+    t = first_commit + kill_every
+    while t < last_commit:
+        times.append(t)
+        t += kill_every
+    schedule = [f"kill:process={rng.randrange(n)}:after={t:.2f}s" for t in times]
+    figures = {"fault_free": run_figures(ff_events, steps)}
+    figures["jaxft"] = run_figures(job("jaxft", "on-failure", schedule), steps)
+    figures["restart_all"] = run_figures(job("restart_all", "all", schedule), steps)
+    ff = figures["fault_free"]["train_s"]
+    for name in figures:
+        figures[name]["goodput"] = round(ff / figures[name]["train_s"], 3)
+    figures["schedule"] = schedule
+    figures["config"] = {"processes": n, "steps": steps, "kill_every_s": kill_every,
+                         "checkpoint_every": checkpoint_every, "step_sleep_s": step_sleep, "seed": seed,
+                         "run_dirs": base if keep_dirs else None}
+    if overhead:
+        figures["overhead"] = bench_overhead(n=2)
+        figures["overhead_ratio"] = figures["overhead"]["ratio"]
+    if not keep_dirs:
+        import shutil
+
+        shutil.rmtree(base, ignore_errors=True)
+    return figures
+
+

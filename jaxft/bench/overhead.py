@@ -1,0 +1,80 @@
+"""``jaxft bench overhead``: the atomic elastic step next to a plain multi-process JAX loop
+with the same model, batch and mesh (workers: ``python -m jaxft.bench.overhead``)."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+
+from jaxft.bench._jobs import launch, result
+
+
+def worker(steps: int, hidden: int, batch: int) -> None:
+    import jaxft
+
+    rt = jaxft.initialize()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxft.data import shard_batch
+    from jaxft.trainer import _replicate, make_train_step
+
+    rng = np.random.default_rng(0)
+    data = {"x": rng.normal(size=(batch * 4, hidden)).astype(np.float32),
+            "y": rng.normal(size=(batch * 4, 1)).astype(np.float32)}
+    params = {"w1": (rng.normal(size=(hidden, hidden)) / np.sqrt(hidden)).astype(np.float32),
+              "w2": (rng.normal(size=(hidden, hidden)) / np.sqrt(hidden)).astype(np.float32),
+              "w3": (rng.normal(size=(hidden, 1)) / np.sqrt(hidden)).astype(np.float32)}
+
+    def loss_fn(p, b):
+        h = jnp.tanh(jnp.tanh(b["x"] @ p["w1"]) @ p["w2"])
+        return jnp.sum((h @ p["w3"] - b["y"]) ** 2, axis=-1)
+
+    tx = optax.sgd(1e-3)
+    batches = jaxft.GlobalBatches(data, batch, seed=0)
+    trainer = jaxft.ElasticTrainer(loss_fn, tx, params, batches, runtime=rt)
+    for _ in range(3):  # warm up: first step rebuilds the data plane and compiles
+        trainer.try_step()
+    t_elastic = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        trainer.try_step()
+        t_elastic.append(time.perf_counter() - t0)
+
+    # The plain loop: same step function, fixed mesh, state kept as global arrays.
+    mesh = trainer.group.mesh(sorted(jax.devices(), key=lambda d: d.id))
+    fn = make_train_step(loss_fn, tx, batch, mesh)
+    p = _replicate(params, mesh)
+    o = _replicate(tx.init(params), mesh)
+    t_plain = []
+    for i in range(steps + 3):
+        t0 = time.perf_counter()
+        b, m = shard_batch(batches.batch(i), mesh)
+        p, o, loss = fn(p, o, b, m)
+        jax.block_until_ready(loss)
+        if i >= 3:
+            t_plain.append(time.perf_counter() - t0)
+    del NamedSharding, P
+    el, pl = statistics.median(t_elastic), statistics.median(t_plain)
+    rt.events.log("bench_overhead", elastic_ms=round(el * 1e3, 3), plain_ms=round(pl * 1e3, 3),
+                  ratio=round(el / pl, 4), steps=steps, processes=rt.num_processes, hidden=hidden,
+                  global_batch=batch)
+    trainer.group.finish()
+
+
+def bench_overhead(n: int = 2, steps: int = 100, hidden: int = 512, batch: int = 512) -> dict:
+    with tempfile.TemporaryDirectory() as run_dir:
+        launch(n, __name__, [str(steps), str(hidden), str(batch)], run_dir)
+        r = result(run_dir, "bench_overhead")
+    return {k: r[k] for k in ("elastic_ms", "plain_ms", "ratio", "steps", "processes", "hidden", "global_batch")}
+
+
+
+
+if __name__ == "__main__":
+    worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))

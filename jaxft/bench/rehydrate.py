@@ -1,0 +1,88 @@
+"""``jaxft bench rehydrate``: sending a state from a donor to a joiner over the live devices,
+next to a plain TCP loopback copy of the same bytes (workers: ``python -m jaxft.bench.rehydrate``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+from jaxft.bench._jobs import launch, result
+
+
+def _socket_copy_s(nbytes: int) -> float:
+    """Seconds to push ``nbytes`` through a loopback TCP connection (send + receive)."""
+    payload = os.urandom(1 << 20) * max(1, nbytes >> 20)
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def send():
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            c.sendall(payload)
+
+    t0 = time.perf_counter()
+    thread = threading.Thread(target=send)
+    thread.start()
+    conn, _ = server.accept()
+    buf = bytearray(len(payload))
+    view, got = memoryview(buf), 0
+    while got < len(payload):
+        k = conn.recv_into(view[got:], min(1 << 22, len(payload) - got))
+        if not k:
+            break
+        got += k
+    thread.join()
+    elapsed = time.perf_counter() - t0
+    conn.close()
+    server.close()
+    return elapsed
+
+
+def worker(mb: float) -> None:
+    import jaxft
+
+    rt = jaxft.initialize()
+    import numpy as np
+
+    from jaxft import transfer
+
+    n = int(mb * (1 << 20)) // 4
+    tree = {"params": np.arange(n // 2, dtype=np.float32), "opt": np.arange(n - n // 2, dtype=np.int32)}
+    if rt.process_id != 0:
+        tree = {k: np.zeros_like(v) for k, v in tree.items()}
+    group = jaxft.ElasticGroup()
+    with group.step() as m:  # fresh processes: first step rebuilds the data plane
+        pass
+    times = []
+    for _ in range(3):
+        with group.step() as m:
+            t0 = time.perf_counter()
+            got = transfer.broadcast_tree(tree, 0, m.mesh)
+            times.append(time.perf_counter() - t0)
+    ok = all(np.array_equal(got[k], np.asarray(v) if rt.process_id == 0 else got[k]) for k, v in tree.items())
+    ok = ok and bool(got["params"][-1] == np.float32(n // 2 - 1))
+    nbytes = transfer.tree_nbytes(tree)
+    sock = statistics.median(_socket_copy_s(nbytes) for _ in range(3)) if rt.process_id == 0 else 0.0
+    t = statistics.median(times)
+    rt.events.log("bench_rehydrate", bytes=nbytes, seconds=round(t, 4), mb_per_s=round(nbytes / t / 1e6, 1),
+                  socket_seconds=round(sock, 4), socket_mb_per_s=round(nbytes / sock / 1e6, 1) if sock else None,
+                  ratio=round(t / sock, 2) if sock else None, correct=ok, processes=rt.num_processes)
+    group.finish()
+
+
+def bench_rehydrate(n: int = 2, mb: float = 100) -> dict:
+    with tempfile.TemporaryDirectory() as run_dir:
+        launch(n, __name__, [str(mb)], run_dir)
+        r = result(run_dir, "bench_rehydrate")
+    return {k: r[k] for k in ("bytes", "seconds", "mb_per_s", "socket_seconds", "socket_mb_per_s", "ratio",
+                              "correct", "processes")}
+
+
+
+
+if __name__ == "__main__":
+    worker(float(sys.argv[1]))

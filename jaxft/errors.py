@@ -1,0 +1,81 @@
+"""Every error jaxft raises, under one base class :class:`Error`.
+
+Each class keeps the built-in base it had before (``RuntimeError`` or ``ValueError``),
+so ``except RuntimeError`` code keeps working; ``except jaxft.Error`` catches them all.
+They live in this light module (no jax import) so that the CLI and the launcher can
+name them without loading jax.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class Error(Exception):
+    """Base of every jaxft error."""
+
+
+class InitializeError(Error, RuntimeError):
+    """``jaxft.initialize`` was called wrongly or could not connect."""
+
+
+class CoordinatorError(Error, RuntimeError):
+    """The coordination service could not be started."""
+
+
+class LaunchError(Error, ValueError):
+    """Bad launcher arguments."""
+
+
+class FaultSpecError(Error, ValueError):
+    """A fault spec that cannot be parsed."""
+
+
+class TimeoutsError(Error, ValueError):
+    """A bad timeout setting (unknown name, not a number, out of range)."""
+
+
+class BarrierTimeout(Error, TimeoutError):
+    """A barrier of the coordination service outlasted the timeout that bounds it."""
+
+
+class BarrierAbandoned(Error, RuntimeError):
+    """A barrier gave up because a process it waited for is known to be dead."""
+
+
+class StepFailed(Error, RuntimeError):
+    """A step failed on every member because processes died or restarted during it."""
+
+    def __init__(self, failed: Sequence[int], cause: BaseException | None):
+        self.failed = tuple(sorted(set(failed)))
+        self.cause = cause
+        why = f"{type(cause).__name__}: {str(cause).splitlines()[0][:200]}" if cause else "membership changed"
+        super().__init__(f"step failed; processes {list(self.failed)} failed ({why})")
+
+
+class ConsistencyError(Error, RuntimeError):
+    """Members hold different parameters: a bug or silent corruption, never ignored."""
+
+    def __init__(self, step: int, processes: list[int]):
+        self.step, self.processes = step, processes
+        super().__init__(f"params diverged at step {step}: processes {processes} disagree with the majority")
+
+
+class CheckpointError(Error, RuntimeError):
+    """A checkpoint cannot be used."""
+
+
+class CheckpointRejected(CheckpointError):
+    """A finalized checkpoint that does not read back as complete and intact."""
+
+    def __init__(self, path: str, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(f"checkpoint {path} rejected: {reason}")
+
+
+class CheckpointMismatch(CheckpointError):
+    """An intact checkpoint of a different model (other tree structure, shapes or dtypes)."""
+
+
+class SaveAbandoned(BarrierAbandoned):
+    """A save gave up waiting for a member that died."""

@@ -1,0 +1,271 @@
+"""Helpers on the coordination service: bounded barriers, the run-finished flag, and the
+liveness signals that membership and checkpointing share.
+
+Everything here goes through the ``jax.distributed`` client (reached via
+:mod:`jaxft._compat`); every wait is bounded by a :class:`~jaxft.timeouts.Timeouts`
+setting that its error names.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from typing import Any, Sequence
+
+from jaxft import _compat
+from jaxft import timeouts as _timeouts
+from jaxft.errors import BarrierAbandoned, BarrierTimeout
+from jaxft.timeouts import Timeouts
+
+FINISHED_KEY = "jaxft/finished"
+
+
+def client() -> Any:
+    """The live ``jax.distributed`` client (:class:`~jaxft.InitializeError` before initialize)."""
+    return _compat.distributed_client()
+
+
+def wait_at_barrier(barrier_id: str, process_ids: Sequence[int], timeouts: Timeouts, timeout_name: str,
+                    what: str) -> None:
+    """A coordination-service barrier over ``process_ids``, bounded by ``timeouts.<timeout_name>``.
+
+    Raises :class:`~jaxft.errors.BarrierTimeout` naming the setting when it runs out.
+    """
+    seconds = getattr(timeouts, timeout_name)
+    try:
+        client().wait_at_barrier(barrier_id, max(1, int(seconds * 1000)), list(process_ids))
+    except Exception as e:  # the client raises XlaRuntimeError DEADLINE_EXCEEDED with a long text
+        text = str(e)
+        if "DEADLINE_EXCEEDED" in text or "timed out" in text.lower():
+            first = text.strip().splitlines()[0][:300] if text.strip() else ""
+            raise BarrierTimeout(f"{what}: processes {sorted(process_ids)} did not all reach barrier {barrier_id} "
+                                 f"within {timeouts.describe(timeout_name)}; {first}") from e
+        raise
+
+
+# -- the run-finished flag ---------------------------------------------------------------------
+
+def mark_finished() -> None:
+    """Tell late joiners the run is over, so none waits for peers that are gone."""
+    client().key_value_set(FINISHED_KEY, "1", allow_overwrite=True)
+
+
+def run_finished() -> bool:
+    """Whether some process called :func:`mark_finished` (False when the service is unreachable)."""
+    try:
+        return client().key_value_try_get(FINISHED_KEY) is not None
+    except Exception:  # NOT_FOUND is raised, not returned
+        return False
+
+
+# -- liveness: a heartbeat in the key-value store ----------------------------------------------
+HEARTBEAT_PREFIX = "jaxft/alive/"
+
+
+class Heartbeat:
+    """This process's liveness signal: a counter in the key-value store under a per-process
+    nonce (:meth:`key`), bumped every ``period_s`` by a daemon thread.
+
+    A peer that learnt the nonce (e.g. from an arrival key of :class:`KVBarrier`) declares
+    this process dead when the counter stops changing. One per process: :meth:`get`.
+    """
+
+    _instance: "Heartbeat | None" = None
+    _lock = threading.Lock()
+
+    def __init__(self, period_s: float = 0.5):
+        import jax
+
+        self.nonce = f"{jax.process_index()}-{os.getpid()}-{os.urandom(4).hex()}"
+        self.period_s = period_s
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    @classmethod
+    def get(cls) -> "Heartbeat":
+        """The process-wide heartbeat, started on first use."""
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            cls._instance._start()
+            return cls._instance
+
+    @staticmethod
+    def key(nonce: str) -> str:
+        return f"{HEARTBEAT_PREFIX}{nonce}"
+
+    def _start(self) -> None:
+        if self._thread is not None:
+            return
+        c = client()
+        c.key_value_set(self.key(self.nonce), "0", allow_overwrite=True)
+
+        def beat() -> None:
+            n = 0
+            while not self._stop.wait(self.period_s):
+                n += 1
+                try:
+                    c.key_value_set(self.key(self.nonce), str(n), allow_overwrite=True)
+                except Exception:  # noqa: BLE001 - the service is gone: the job is ending
+                    return
+
+        self._thread = threading.Thread(target=beat, name="jaxft-heartbeat", daemon=True)
+        self._thread.start()
+        # Stop before interpreter teardown (and before jax's own atexit shutdown of the
+        # client): a daemon thread caught inside a gRPC call at teardown aborts the process.
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=5)
+
+
+# -- a barrier that gives up on dead members ---------------------------------------------------
+
+class KVBarrier:
+    """A barrier on the coordination service's key-value store that gives up on dead members.
+
+    Call it as ``barrier(key=..., timeout_ms=...)`` (the signature of Orbax's
+    ``BarrierSyncFn``). Each process writes ``<namespace>/<key>/<n>/<process>`` = its
+    :class:`Heartbeat` nonce and polls that directory until every expected process has
+    written. Unlike ``wait_at_barrier`` (which waits its full timeout for a dead process)
+    it gives up, raising :attr:`abandoned_error`, as soon as
+
+    * ``cancel`` is set (a member is known to have died), or
+    * a member gave up (:meth:`abandon`), or
+    * a missing member's heartbeat stopped for ``timeouts.<dead_after>`` (its nonce is
+      learnt from an earlier barrier of the same namespace), or
+    * a missing member reached no barrier of the namespace within ``timeouts.<unknown_after>``;
+
+    and raises :class:`~jaxft.errors.BarrierTimeout` after ``timeout_ms`` (which the
+    caller takes from ``timeouts.<timeout_name>``). Every message that such a bound ends names it.
+
+    Arrival keys outlive their writer, so a member that arrived and then died does not
+    block the others. Subclasses adapt it to a caller through two hooks,
+    :meth:`_arriving` and :meth:`_passed`.
+    """
+
+    abandoned_error: type[BarrierAbandoned] = BarrierAbandoned  # what "gave up on a dead member" raises
+
+    def __init__(self, namespace: str, processes: Sequence[int], me: int, cancel: threading.Event | None = None, *,
+                 timeouts: Timeouts | None = None, what: str = "barrier", dead_after: str = "save_dead_after",
+                 unknown_after: str = "save_barrier", timeout_name: str = "save", poll_s: float = 0.005,
+                 max_poll_s: float = 0.05):
+        self.namespace = namespace
+        self.processes = frozenset(processes)
+        self.me = me
+        self.cancel = cancel if cancel is not None else threading.Event()
+        self.timeouts = timeouts if timeouts is not None else _timeouts.current()
+        self.what = what
+        self.dead_after, self.unknown_after, self.timeout_name = dead_after, unknown_after, timeout_name
+        self.dead_after_s = float(getattr(self.timeouts, dead_after))
+        self.unknown_after_s = float(getattr(self.timeouts, unknown_after))
+        self.poll_s, self.max_poll_s = poll_s, max_poll_s
+        self.nonces: dict[int, str] = {}
+        self._beats: dict[str, tuple[str | None, float]] = {}  # nonce -> (value, when it last changed)
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._created = time.monotonic()
+
+    # -- hooks for subclasses ------------------------------------------------------------
+    def _arriving(self, key: str, n: int) -> None:
+        """Called before this process arrives at the ``n``-th (from 0) barrier ``key``;
+        raise :attr:`abandoned_error` to give up instead of arriving."""
+
+    def _passed(self, key: str, n: int) -> None:
+        """Called once every process arrived at the ``n``-th barrier ``key``."""
+
+    # -- the barrier -----------------------------------------------------------------------
+    def _dead(self, c: Any, process: int, now: float) -> str | None:
+        nonce = self.nonces.get(process)
+        if nonce is None:
+            if now - self._created > self.unknown_after_s:
+                return (f"process {process} reached no barrier of this {self.what} in "
+                        f"{self.unknown_after_s:.0f} s ({self.timeouts.describe(self.unknown_after)})")
+            return None
+        try:
+            value = c.key_value_try_get(Heartbeat.key(nonce))
+        except Exception:  # noqa: BLE001 - NOT_FOUND is raised
+            value = None
+        with self._lock:
+            last, since = self._beats.get(nonce, (None, now))
+            if value != last or nonce not in self._beats:
+                self._beats[nonce] = (value, now)
+                return None
+        if now - since > self.dead_after_s:
+            return (f"process {process} stopped heartbeating {now - since:.1f} s ago "
+                    f"({self.timeouts.describe(self.dead_after)})")
+        return None
+
+    def __call__(self, *, key: str, timeout_ms: int) -> None:
+        if self.processes <= {self.me}:
+            return
+        if self.cancel.is_set():
+            raise self.abandoned_error(f"barrier {key}: {self.what} abandoned")
+        c = client()
+        nonce = Heartbeat.get().nonce
+        with self._lock:
+            n = self._counts.get(key, 0)
+            self._counts[key] = n + 1
+            self.nonces[self.me] = nonce
+        self._arriving(key, n)
+        base = f"{self.namespace}/{key}/{n}/"
+        c.key_value_set(base + str(self.me), nonce, allow_overwrite=True)
+        deadline = time.monotonic() + max(timeout_ms, 1) / 1000
+        delay = self.poll_s
+        try:
+            while True:
+                arrived = set()
+                for k, v in c.key_value_dir_get(base):
+                    p = int(k.rstrip("/").rsplit("/", 1)[-1])
+                    arrived.add(p)
+                    with self._lock:
+                        self.nonces.setdefault(p, v)
+                missing = self.processes - arrived
+                if not missing:
+                    self._passed(key, n)
+                    return
+                if self.cancel.is_set():
+                    raise self.abandoned_error(f"barrier {key}: processes {sorted(missing)} died before arriving")
+                given_up = c.key_value_dir_get(f"{self.namespace}/abandoned/")
+                if given_up:
+                    k, why = given_up[0]
+                    raise self.abandoned_error(f"barrier {key}: process {k.rstrip('/').rsplit('/', 1)[-1]} "
+                                               f"abandoned the {self.what} ({why})")
+                now = time.monotonic()
+                for p in sorted(missing):
+                    why = self._dead(c, p, now)
+                    if why is not None:
+                        raise self.abandoned_error(f"barrier {key}: {why}")
+                if now > deadline:
+                    raise BarrierTimeout(f"barrier {key}: processes {sorted(missing)} did not arrive within "
+                                         f"{timeout_ms / 1000:.0f} s ({self.timeouts.describe(self.timeout_name)})")
+                time.sleep(delay)
+                delay = min(delay * 1.5, self.max_poll_s)
+        except (self.abandoned_error, TimeoutError) as e:
+            self.abandon(str(e))
+            raise
+
+    def abandon(self, reason: str) -> None:
+        """Tell the other members this process gave up (they stop waiting for it)."""
+        if self.processes <= {self.me}:
+            return
+        try:
+            client().key_value_set(f"{self.namespace}/abandoned/{self.me}", reason[:300], allow_overwrite=True)
+        except Exception:  # noqa: BLE001 - best effort; the others still have heartbeats and timeouts
+            pass
+
+    def delete_keys(self) -> None:
+        """Remove this barrier's keys (housekeeping once every member is past them)."""
+        delete_dir(self.namespace)
+
+
+def delete_dir(namespace: str) -> None:
+    """Best-effort removal of every key under ``namespace/``."""
+    try:
+        client().key_value_delete(f"{namespace}/")
+    except Exception:  # noqa: BLE001 - housekeeping only
+        pass
