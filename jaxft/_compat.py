@@ -151,3 +151,54 @@ def rekey_live_devices(current_devices: list) -> None:
     if all(by_id.get(d.id) is d for d in live.devices):
         return
     live.devices = {by_id[d.id]: inc for d, inc in live.devices.items() if d.id in by_id}
+
+
+# -- cluster detection -------------------------------------------------------------------------
+
+def detect_cluster(initialization_timeout: int) -> tuple[str, str | None, int | None, int | None,
+                                                         list[int] | None] | None:
+    """``(name, coordinator_address, num_processes, process_id, local_device_ids)`` of the
+    cluster jax's own detection finds (SLURM, Open MPI, Kubernetes, Cloud TPU), else None.
+
+    Private: ``jax._src.clusters.ClusterEnv`` and its registered subclasses, the code behind
+    ``jax.distributed.initialize()``'s auto-detection. jaxft needs the values (and which
+    cluster gave them) before it connects, to host or not host the service and to report
+    ``Runtime.source``; the public call offers no way to ask. Opt-in methods (mpi4py) are
+    skipped, as jax does by default. ``JAX_COORDINATOR_PORT`` is honoured, as in jax.
+    """
+    import os
+
+    from jax._src import clusters
+
+    env = next((e for e in clusters.ClusterEnv._cluster_types
+                if not e.opt_in_only_method and e.is_env_present()), None)
+    if env is None:
+        return None
+    address = env.get_coordinator_address(timeout_secs=initialization_timeout,
+                                          override_coordinator_port=os.environ.get("JAX_COORDINATOR_PORT"))
+    local = env.get_local_process_id()
+    return (env.name, address, env.get_process_count(), env.get_process_id(),
+            None if local is None else [int(local)])
+
+
+# -- the CPU collectives' address ----------------------------------------------------------------
+
+def use_gloo_address(*, interface: str | None = None, hostname: str | None = None) -> None:
+    """Make the CPU backend's gloo collectives listen on ``interface`` (or ``hostname``).
+
+    By default gloo advertises the address the machine's hostname resolves to, which is
+    loopback on many containers and cluster nodes. jax's public config has no option for
+    it; ``jax._src.lib._jax.make_gloo_tcp_collectives`` takes one, so the CPU backend's
+    factory (private ``jax._src.xla_bridge``) is re-registered to build its gloo
+    collectives with it. Must run before the backend starts; it stays in force across
+    ``clear_backends()`` (the rebuild after a rejoin uses the same factory).
+    """
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax
+
+    def make_cpu_client():
+        collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client,
+                                                     hostname=hostname, interface=interface)
+        return xla_bridge.make_cpu_client(collectives=collectives)
+
+    xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)

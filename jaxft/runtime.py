@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import math
 import os
 import shlex
 import socket
+import threading
 import time
 from typing import Sequence
 
-from jaxft import _compat, envvars
+from jaxft import _compat, cluster, envvars
 from jaxft import timeouts as timeouts_lib
 from jaxft.errors import InitializeError, TimeoutsError
 from jaxft.events import EventLog
@@ -54,6 +56,7 @@ class Runtime:
     events: EventLog
     faults: FaultInjector
     timeouts: Timeouts = dataclasses.field(default_factory=Timeouts)
+    source: str = "explicit"  # where the settings came from: see jaxft.cluster.SOURCES
 
 
 def merge_xla_flags(existing: str, wanted: dict[str, str]) -> str:
@@ -91,10 +94,6 @@ def _resolve(value, env_name: str, environ, parse=int):
         raise InitializeError(f"environment variable {env_name}={raw!r} is malformed") from None
 
 
-def _parse_ids(raw: str) -> list[int]:
-    return [int(x) for x in raw.split(",") if x.strip()]
-
-
 def initialize(coordinator_address: str | None = None,
                num_processes: int | None = None,
                process_id: int | None = None,
@@ -106,6 +105,7 @@ def initialize(coordinator_address: str | None = None,
                initialization_timeout: int | None = None,
                run_dir: str | None = None,
                timeouts: Timeouts | None = None,
+               gloo_interface: str | None = None,
                environ=os.environ) -> Runtime:
     """Initialize multi-controller JAX so that processes can fail and come back.
 
@@ -115,7 +115,17 @@ def initialize(coordinator_address: str | None = None,
     service with a short heartbeat so dead peers are noticed in seconds.
 
     Arguments left as None are read from the environment ``jaxft launch`` sets
-    (``JAXFT_COORDINATOR_ADDRESS``, ``JAXFT_PROCESS_ID``, ``JAXFT_TIMEOUTS``, ...).
+    (``JAXFT_COORDINATOR_ADDRESS``, ``JAXFT_PROCESS_ID``, ``JAXFT_TIMEOUTS``, ...), then from
+    ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` /
+    ``JAX_LOCAL_DEVICE_IDS``, then from the cluster jax detects (SLURM, Open MPI,
+    Kubernetes, Cloud TPU); :attr:`Runtime.source` says which. An environment that half
+    describes a cluster is an :class:`InitializeError`, never a silent single-process run.
+    In a cluster without an external coordinator, process 0 hosts the service as in plain
+    JAX (its death then ends the job; run ``jaxft coordinator`` as its own job step and set
+    ``JAXFT_COORDINATOR_ADDRESS`` to avoid that).
+
+    ``gloo_interface`` (or ``JAXFT_GLOO_INTERFACE``) names the network interface CPU
+    collectives use; needed where this host's name resolves to loopback.
     ``timeouts`` sets every bound at once (:class:`~jaxft.Timeouts`); the
     ``*_timeout`` arguments override its fields. The result becomes this process's
     settings (:func:`jaxft.timeouts.current`), read by every later wait.
@@ -126,9 +136,9 @@ def initialize(coordinator_address: str | None = None,
     like plain ``jax.distributed.initialize``: process 0 hosts the service, and its death
     ends the job.
 
-    Called with nothing set (no arguments, no launcher environment) it runs as a single
-    process with a private coordination service, so the same program works without
-    ``jaxft launch``.
+    Called with nothing set (no arguments, no launcher environment, no cluster) it runs as
+    a single process with a private coordination service, so the same program works
+    without ``jaxft launch``.
 
     Must be called before anything starts a JAX backend (``jax.devices()``, any
     computation): XLA reads its flags only once.
@@ -147,10 +157,6 @@ def initialize(coordinator_address: str | None = None,
         raise InitializeError("jax.distributed is already initialized; call jaxft.initialize() once, "
                               "instead of jax.distributed.initialize().")
 
-    coordinator_address = _resolve(coordinator_address, envvars.COORDINATOR, environ, str)
-    num_processes = _resolve(num_processes, envvars.NUM_PROCESSES, environ)
-    process_id = _resolve(process_id, envvars.PROCESS_ID, environ)
-    local_device_ids = _resolve(local_device_ids, envvars.LOCAL_DEVICE_IDS, environ, _parse_ids)
     try:
         base = timeouts if timeouts is not None else Timeouts.from_env(environ)
         timeouts = base.replace(heartbeat=heartbeat_timeout, collective=collective_timeout,
@@ -159,31 +165,29 @@ def initialize(coordinator_address: str | None = None,
         raise InitializeError(str(e)) from None
     heartbeat_timeout, collective_timeout = int(timeouts.heartbeat), int(timeouts.collective)
     initialization_timeout = timeouts.initialization
-    if external_coordinator is None:
-        external_coordinator = environ.get(envvars.EXTERNAL_COORDINATOR, "0") == "1"
     run_dir = run_dir or environ.get(envvars.RUN_DIR) or None
     incarnation = _resolve(None, envvars.INCARNATION, environ) or 0
-
-    if coordinator_address is None and num_processes in (None, 1) and process_id in (None, 0):
-        # Plain single-process run (no launcher): host a private one-process service so
-        # the same elastic code runs unchanged.
+    place = cluster.resolve(coordinator_address, num_processes, process_id, local_device_ids,
+                            external_coordinator, initialization_timeout, environ)
+    num_processes, process_id, local_device_ids = place.num_processes, place.process_id, place.local_device_ids
+    coordinator_address, external_coordinator = place.coordinator_address, place.external_coordinator
+    if place.single_process:
+        # Plain single-process run (no launcher, no cluster): host a private one-process
+        # service so the same elastic code runs unchanged.
         global _LOCAL_COORDINATOR
         from jaxft.coordinator import Coordinator
 
         _LOCAL_COORDINATOR = Coordinator(1, heartbeat_timeout=heartbeat_timeout)
-        coordinator_address, num_processes, process_id = _LOCAL_COORDINATOR.address, 1, 0
-        external_coordinator = True
-    if coordinator_address is None or num_processes is None or process_id is None:
-        raise InitializeError(
-            "jaxft.initialize needs coordinator_address, num_processes and process_id, as "
-            "arguments or from the environment jaxft launch sets (missing: "
-            + ", ".join(n for n, v in [("coordinator_address", coordinator_address),
-                                      ("num_processes", num_processes),
-                                      ("process_id", process_id)] if v is None) + ")")
+        coordinator_address = _LOCAL_COORDINATOR.address
     if num_processes < 1:
         raise InitializeError(f"num_processes must be >= 1, got {num_processes}")
     if not 0 <= process_id < num_processes:
         raise InitializeError(f"process_id must be in [0, {num_processes}), got {process_id}")
+
+    gloo_interface = gloo_interface or environ.get(envvars.GLOO_INTERFACE) or None
+    gloo_hostname = environ.get(envvars.GLOO_HOSTNAME) or None
+    if gloo_interface is None and gloo_hostname is None:
+        cluster.check_gloo_reachable(coordinator_address, num_processes, environ)
 
     configure_environment(collective_timeout, environ)
     jax.config.update("jax_enable_recoverability", True)
@@ -203,6 +207,8 @@ def initialize(coordinator_address: str | None = None,
         # jax's client aborts the whole process (SIGABRT) when registration times out; find an
         # unreachable coordinator ourselves and say so.
         _wait_reachable(coordinator_address, initialization_timeout, process_id)
+    if gloo_interface is not None or gloo_hostname is not None:
+        _compat.use_gloo_address(interface=gloo_interface, hostname=gloo_hostname)
     guard = _compat.no_service_start() if external_coordinator else contextlib.nullcontext()
     try:
         with guard:
@@ -214,6 +220,8 @@ def initialize(coordinator_address: str | None = None,
 
     if external_coordinator:
         _clear_stale_topology(process_id)
+    elif process_id == 0 and num_processes > 1:
+        atexit.register(_outlive_peers, num_processes, timeouts)
     events = EventLog(run_dir, process_id, incarnation)
     faults = FaultInjector.from_env(process_id, on_fire=_fault_logger(events), environ=environ)
     timeouts_lib.set_current(timeouts)
@@ -222,7 +230,31 @@ def initialize(coordinator_address: str | None = None,
                    external_coordinator=bool(external_coordinator),
                    heartbeat_timeout=int(heartbeat_timeout),
                    collective_timeout=int(collective_timeout), run_dir=run_dir,
-                   events=events, faults=faults, timeouts=timeouts)
+                   events=events, faults=faults, timeouts=timeouts, source=place.source)
+
+
+def _outlive_peers(num_processes: int, timeouts: Timeouts) -> None:
+    """At exit of a process 0 that hosts the service: wait (bounded by ``Timeouts.shutdown``)
+    until the other processes have disconnected, so their own shutdown still finds the
+    service (a recoverable service has no shutdown barrier of its own)."""
+    client = _compat.distributed_client_or_none()
+    if client is None:
+        return
+    deadline = time.monotonic() + timeouts.shutdown
+    others = list(range(1, num_processes))
+
+    def wait() -> None:  # get_live_nodes itself may block on peers: bound it from outside
+        while time.monotonic() < deadline:
+            try:
+                if not client.get_live_nodes(others):
+                    return
+            except Exception:  # noqa: BLE001 - the service or this client is already gone
+                return
+            time.sleep(0.05)
+
+    waiter = threading.Thread(target=wait, name="jaxft-outlive-peers", daemon=True)
+    waiter.start()
+    waiter.join(timeouts.shutdown)
 
 
 def _clear_stale_topology(process_id: int) -> None:
