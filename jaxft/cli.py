@@ -8,7 +8,7 @@ from typing import Sequence
 
 from jaxft import bench, report
 from jaxft.coordinator import DEFAULT_HEARTBEAT_TIMEOUT, Coordinator, serve_forever
-from jaxft.errors import Error
+from jaxft.errors import Error, LaunchError
 from jaxft.launcher import RESTART_POLICIES, LaunchConfig, Launcher, detect_gpus
 from jaxft.timeouts import Timeouts
 
@@ -24,9 +24,21 @@ def _gpus(value: str) -> list[int] | str:
 
 def _add_launch(sub) -> None:
     p = sub.add_parser("launch", help="run N workers under a supervisor with restarts and fault injection",
-                       usage="jaxft launch -n N [options] -- COMMAND ARGS...")
-    p.add_argument("-n", "--num-processes", type=int, default=None,
-                   help="number of worker processes (default: one per GPU, else required)")
+                       usage="jaxft launch -n N [options] -- COMMAND ARGS...\n"
+                             "       jaxft launch --nnodes N --node-rank R [--nproc-per-node K] "
+                             "--coordinator HOST:PORT [--host-coordinator] [options] -- COMMAND ARGS...")
+    p.add_argument("-n", "--num-processes", "--nproc-per-node", dest="num_processes", type=int, default=None,
+                   help="worker processes on this node (default: one per local GPU; required without GPUs)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job, one agent each (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's rank in [0, nnodes) (default 0)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="the coordination service the workers dial (a jaxft coordinator, or the agent "
+                        "started with --host-coordinator); required with --nnodes > 1")
+    p.add_argument("--host-coordinator", action="store_true",
+                   help="this agent hosts the service, listening on --coordinator's port on --bind")
+    p.add_argument("--gloo-interface", default=None, metavar="IFACE",
+                   help="network interface the workers' CPU collectives use (e.g. eth0); needed where the "
+                        "hostname resolves to loopback")
     p.add_argument("--restart", choices=RESTART_POLICIES, default="never",
                    help="restart a dead worker with the same process id (default: never)")
     p.add_argument("--restart-delay", type=float, default=0.0, help="seconds to wait before a restart")
@@ -43,9 +55,12 @@ def _add_launch(sub) -> None:
                    help="set one bound of jaxft.Timeouts for the workers (repeatable); names: "
                         + ", ".join(f"{n} (default {getattr(Timeouts, n):g})" for n in Timeouts.names()))
     p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
-    p.add_argument("--bind", default="127.0.0.1", help="coordinator bind address (default: loopback)")
-    p.add_argument("--gpus", type=_gpus, default="none",
-                   help="auto|all (one process per local GPU), none (CPU), or ids like 0,1,2")
+    p.add_argument("--bind", default=None,
+                   help="where a hosted coordinator listens (default: loopback; all interfaces with "
+                        "--host-coordinator)")
+    p.add_argument("--gpus", type=_gpus, default="auto",
+                   help="auto (default: one worker per local GPU when nvidia-smi lists any, else CPU), "
+                        "all (GPUs required), none (CPU), or ids like 0,1,2")
     p.add_argument("--grace", type=float, default=5.0, help="SIGTERM -> SIGKILL bound at shutdown, seconds")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command")
 
@@ -88,14 +103,19 @@ def _launch(args, parser) -> int:
         if gpus is None:
             parser.error("-n is required on a machine without GPUs")
         n = len(gpus)
-    elif gpus is not None and len(gpus) > n:
+    elif gpus is not None and n > len(gpus):
+        raise LaunchError(f"-n {n} workers but this node has {len(gpus)} GPU(s) ({','.join(map(str, gpus))}): "
+                          "jaxft runs one worker per GPU; lower -n, or pass --gpus none to run on CPU")
+    elif gpus is not None:
         gpus = gpus[:n]
     config = LaunchConfig(num_processes=n, command=command, restart=args.restart,
                           max_restarts=args.max_restarts, faults=args.fault, run_dir=args.run_dir,
                           heartbeat_timeout=args.heartbeat_timeout,
                           collective_timeout=args.collective_timeout, port=args.port, bind=args.bind,
                           gpus=gpus, grace_s=args.grace,
-                          restart_delay_s=args.restart_delay, timeouts=args.timeout)
+                          restart_delay_s=args.restart_delay, timeouts=args.timeout, nnodes=args.nnodes,
+                          node_rank=args.node_rank, coordinator=args.coordinator,
+                          host_coordinator=args.host_coordinator, gloo_interface=args.gloo_interface)
     return Launcher(config).run()
 
 

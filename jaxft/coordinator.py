@@ -12,6 +12,7 @@ import errno
 import signal
 import socket
 import threading
+import time
 from typing import Any
 
 from jaxft import _compat
@@ -46,6 +47,26 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def wait_reachable(address: str, timeout: float) -> str | None:
+    """Poll a TCP connection to ``host:port`` for up to ``timeout`` seconds.
+
+    Returns None once it connects, else why the last attempt failed (no exception, so each
+    caller raises its own error: the launcher's, or initialize()'s).
+    """
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return f"{address!r} is not host:port"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                return None
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                return e.strerror or str(e)
+            time.sleep(0.2)
 
 
 class Coordinator:

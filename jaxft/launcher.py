@@ -1,14 +1,18 @@
-"""The local supervisor behind ``jaxft launch``.
+"""The supervisor behind ``jaxft launch``: one machine, or one node's agent of many.
 
-Hosts the coordination service, starts N workers with their environment, prefixes their
-output with the process id, restarts dead workers by policy, fires launcher-side faults
-(``kill:process=0:after=3s``), and on Ctrl-C / SIGTERM ends every child, escalating to
-SIGKILL after a bound. Children also get ``PR_SET_PDEATHSIG`` so that even a SIGKILLed
-launcher leaves no orphans.
+Hosts the coordination service (single node, or the agent given ``--host-coordinator``)
+or connects its workers to one elsewhere (``--coordinator HOST:PORT``), starts this
+node's workers with their environment (global process ids ``node_rank * K + local``, one
+GPU each on a GPU node), prefixes their output with the process id, restarts dead
+workers by policy, fires launcher-side faults (``kill:process=0:after=3s``) for its own
+processes, and on Ctrl-C / SIGTERM ends every child, escalating to SIGKILL after a
+bound. Children also get ``PR_SET_PDEATHSIG`` so that even a SIGKILLed launcher leaves
+no orphans.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -20,10 +24,10 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Sequence, TextIO
+from typing import Iterator, Sequence, TextIO
 
 from jaxft import envvars
-from jaxft.coordinator import Coordinator
+from jaxft.coordinator import Coordinator, wait_reachable
 from jaxft.errors import LaunchError, TimeoutsError
 from jaxft.events import EventLog
 from jaxft.faults import FaultRule, parse_rules
@@ -39,7 +43,7 @@ RESTART_POLICIES = ("never", "on-failure", "all")
 class LaunchConfig:
     """Everything ``jaxft launch`` needs; validated by :meth:`validate`."""
 
-    num_processes: int
+    num_processes: int  # workers on this node (--nproc-per-node; -n on a single node)
     command: Sequence[str]
     restart: str = "never"
     max_restarts: int = 10
@@ -48,13 +52,27 @@ class LaunchConfig:
     heartbeat_timeout: int | None = None  # shortcuts for --timeout heartbeat=S / collective=S
     collective_timeout: int | None = None
     port: int = 0
-    bind: str = "127.0.0.1"
+    bind: str | None = None  # where a hosted service listens (default loopback; all interfaces for --host-coordinator)
     gpus: Sequence[int] | None = None  # one local device id per process
     grace_s: float = 5.0  # SIGTERM -> SIGKILL bound at shutdown
     restart_delay_s: float = 0.0  # wait this long before restarting a dead worker
     hung_after_s: float | None = None  # a SIGSTOPped worker counts as dead after this
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
     timeouts: Sequence[str] = ()  # NAME=SECONDS settings of jaxft.Timeouts (--timeout)
+    nnodes: int = 1
+    node_rank: int = 0
+    coordinator: str | None = None  # HOST:PORT of the service (another node's, or a `jaxft coordinator`)
+    host_coordinator: bool = False  # this agent hosts the service at --coordinator's port
+    gloo_interface: str | None = None  # network interface of the CPU collectives
+
+    @property
+    def total_processes(self) -> int:
+        return self.nnodes * self.num_processes
+
+    @property
+    def first_process(self) -> int:
+        """Global id of this node's first worker."""
+        return self.node_rank * self.num_processes
 
     def resolved_timeouts(self) -> Timeouts:
         """The workers' :class:`~jaxft.Timeouts`: ``--timeout`` settings, then the two shortcuts."""
@@ -83,12 +101,26 @@ class LaunchConfig:
         if self.gpus is not None and len(self.gpus) != self.num_processes:
             raise LaunchError(f"{len(self.gpus)} GPUs given for {self.num_processes} processes; "
                               "jaxft runs one process per GPU")
+        if self.nnodes < 1:
+            raise LaunchError(f"--nnodes must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise LaunchError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and not self.coordinator:
+            raise LaunchError("--nnodes > 1 needs --coordinator HOST:PORT (the node that hosts it passes "
+                              "--host-coordinator too; or run jaxft coordinator separately)")
+        if self.host_coordinator and not self.coordinator:
+            raise LaunchError("--host-coordinator needs --coordinator HOST:PORT (the address the workers dial)")
+        if self.coordinator:
+            host, _, port = self.coordinator.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise LaunchError(f"--coordinator must be HOST:PORT, got {self.coordinator!r}")
         self.resolved_timeouts()
         rules = parse_rules(list(self.faults))
+        total = self.total_processes
         for rule in rules:
-            if rule.process is not None and not 0 <= rule.process < self.num_processes:
+            if rule.process is not None and not 0 <= rule.process < total:
                 raise LaunchError(f"fault {rule.spec!r}: process {rule.process} does not exist "
-                                  f"(processes are 0..{self.num_processes - 1})")
+                                  f"(processes are 0..{total - 1})")
         return rules
 
 
@@ -131,7 +163,8 @@ class Launcher:
         self.out = out
         self._print_lock = threading.Lock()
         self._stop_signal: int | None = None
-        self.workers = [_Worker(i) for i in range(config.num_processes)]
+        self.workers = [_Worker(config.first_process + i) for i in range(config.num_processes)]
+        self._local = {w.process_id: w for w in self.workers}
         self.events = EventLog(config.run_dir, "launcher", 0)
         self.exits: list[dict] = []
 
@@ -150,15 +183,15 @@ class Launcher:
         stream.close()
 
     # -- children -----------------------------------------------------------------------
-    def _env(self, worker: _Worker, coordinator: Coordinator, fault_dir: str) -> dict[str, str]:
+    def _env(self, worker: _Worker, address: str, fault_dir: str) -> dict[str, str]:
         c = self.config
         env = dict(os.environ)
         env.update(c.extra_env)
         env.update({
-            envvars.COORDINATOR: coordinator.address,
+            envvars.COORDINATOR: address,
             envvars.EXTERNAL_COORDINATOR: "1",
             envvars.PROCESS_ID: str(worker.process_id),
-            envvars.NUM_PROCESSES: str(c.num_processes),
+            envvars.NUM_PROCESSES: str(c.total_processes),
             envvars.INCARNATION: str(worker.incarnation),
             envvars.FAULTS: ";".join(c.faults),
             envvars.FAULT_STATE_DIR: fault_dir,
@@ -168,15 +201,17 @@ class Launcher:
         if c.run_dir:
             env[envvars.RUN_DIR] = os.path.abspath(c.run_dir)
         if c.gpus is not None:
-            env[envvars.LOCAL_DEVICE_IDS] = str(c.gpus[worker.process_id])
+            env[envvars.LOCAL_DEVICE_IDS] = str(c.gpus[worker.process_id - c.first_process])
         else:
             env.pop(envvars.LOCAL_DEVICE_IDS, None)
+        if c.gloo_interface:
+            env[envvars.GLOO_INTERFACE] = c.gloo_interface
         return env
 
-    def _start(self, worker: _Worker, coordinator: Coordinator, fault_dir: str) -> None:
+    def _start(self, worker: _Worker, address: str, fault_dir: str) -> None:
         worker.incarnation += 1
         worker.proc = subprocess.Popen(
-            list(self.config.command), env=self._env(worker, coordinator, fault_dir),
+            list(self.config.command), env=self._env(worker, address, fault_dir),
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=_set_pdeathsig)
         worker.stopped_since = None
@@ -211,6 +246,12 @@ class Launcher:
 
     def run(self) -> int:
         c = self.config
+        if c.coordinator and not c.host_coordinator:  # fail before starting anything
+            why = wait_reachable(c.coordinator, self.timeouts.initialization)
+            if why is not None:
+                raise LaunchError(f"node {c.node_rank}: cannot reach the coordinator at {c.coordinator} within "
+                                  f"{self.timeouts.describe('initialization')} ({why}); start jaxft coordinator "
+                                  "(or the agent with --host-coordinator) first, and check the address")
         t0 = time.time()
         if c.run_dir:
             os.makedirs(c.run_dir, exist_ok=True)
@@ -218,16 +259,15 @@ class Launcher:
         fault_dir = tempfile.mkdtemp(prefix="jaxft-faults-")
         exit_code = 1
         try:
-            with Coordinator(c.num_processes, port=c.port, bind=c.bind,
-                             heartbeat_timeout=int(self.timeouts.heartbeat),
-                             shutdown_timeout=int(self.timeouts.shutdown)) as coordinator:
-                self.say(f"coordinator at {coordinator.address}; starting {c.num_processes} workers")
-                self.events.log("run_start", num_processes=c.num_processes, coordinator=coordinator.address,
+            with self._coordinator() as address:
+                where = f"node {c.node_rank} of {c.nnodes}: " if c.nnodes > 1 else ""
+                self.say(f"{where}coordinator at {address}; starting {c.num_processes} workers")
+                self.events.log("run_start", num_processes=c.total_processes, coordinator=address,
                                 command=list(c.command), faults=list(c.faults), restart=c.restart,
-                                source="launcher")
+                                source="launcher", node=c.node_rank, nnodes=c.nnodes)
                 for w in self.workers:
-                    self._start(w, coordinator, fault_dir)
-                exit_code = self._supervise(coordinator, fault_dir, time.time())  # after= counts from here
+                    self._start(w, address, fault_dir)
+                exit_code = self._supervise(address, fault_dir, time.time())  # after= counts from here
         finally:
             self._terminate_all()
             for s, h in old_handlers.items():
@@ -236,7 +276,22 @@ class Launcher:
             self._write_summary(exit_code, time.time() - t0)
         return exit_code
 
-    def _supervise(self, coordinator: Coordinator, fault_dir: str, t0: float) -> int:
+    @contextlib.contextmanager
+    def _coordinator(self) -> Iterator[str]:
+        """The address the workers dial: a service this launcher hosts, or one elsewhere."""
+        c = self.config
+        if c.coordinator and not c.host_coordinator:
+            yield c.coordinator
+            return
+        port, bind = c.port, c.bind
+        if c.coordinator:  # --host-coordinator: serve at --coordinator's port, on --bind (default: all)
+            port = int(c.coordinator.rpartition(":")[2])
+            bind = bind or "0.0.0.0"
+        with Coordinator(c.total_processes, port=port, bind=bind or "127.0.0.1", heartbeat_timeout=int(self.timeouts.heartbeat),
+                         shutdown_timeout=int(self.timeouts.shutdown)) as coordinator:
+            yield c.coordinator or coordinator.address
+
+    def _supervise(self, address: str, fault_dir: str, t0: float) -> int:
         c = self.config
         timed = [r for r in self.rules if r.launcher_side]
         hung_after = c.hung_after_s if c.hung_after_s is not None else 2.0 * self.timeouts.heartbeat
@@ -250,7 +305,9 @@ class Launcher:
             for rule in list(timed):
                 if now - t0 >= rule.after:
                     timed.remove(rule)
-                    w = self.workers[rule.process]
+                    w = self._local.get(rule.process)
+                    if w is None:  # another node's process: its own agent fires the rule
+                        continue
                     if w.proc is not None and w.proc.poll() is None:
                         sig = signal.SIGSTOP if rule.action == "stop" else signal.SIGKILL
                         self.say(f"fault {rule.spec}: sending {sig.name} to process {rule.process}")
@@ -261,7 +318,7 @@ class Launcher:
                 if w.restart_at is not None:
                     if now >= w.restart_at:
                         w.restart_at = None
-                        self._start(w, coordinator, fault_dir)
+                        self._start(w, address, fault_dir)
                     continue
                 if w.done or w.proc is None:
                     continue
@@ -346,7 +403,8 @@ class Launcher:
         }
         self.events.log("run_end", exit_code=exit_code, wall_s=round(wall_s, 3), source="launcher")
         if self.config.run_dir:
-            with open(os.path.join(self.config.run_dir, "summary.json"), "w") as f:
+            name = "summary.json" if self.config.nnodes == 1 else f"summary-node{self.config.node_rank}.json"
+            with open(os.path.join(self.config.run_dir, name), "w") as f:
                 json.dump(summary, f, indent=2)
         self.say(f"done in {wall_s:.1f} s, exit code {exit_code}; restarts "
                  + ", ".join(f"p{w.process_id}={w.restarts}" for w in self.workers))

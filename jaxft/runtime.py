@@ -8,13 +8,13 @@ import dataclasses
 import math
 import os
 import shlex
-import socket
 import threading
 import time
 from typing import Sequence
 
 from jaxft import _compat, cluster, envvars
 from jaxft import timeouts as timeouts_lib
+from jaxft.coordinator import wait_reachable
 from jaxft.errors import InitializeError, TimeoutsError
 from jaxft.events import EventLog
 from jaxft.faults import FaultInjector, FaultRule
@@ -266,23 +266,11 @@ def _clear_stale_topology(process_id: int) -> None:
 
 def _wait_reachable(address: str, timeout: float, process_id: int) -> None:
     """Return once a TCP connection to ``address`` succeeds; InitializeError after ``timeout``."""
-    host, _, port = address.rpartition(":")
-    try:
-        port_number = int(port)
-    except ValueError:
-        raise InitializeError(f"coordinator address {address!r} is not host:port") from None
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection((host.strip("[]"), port_number), timeout=1.0):
-                return
-        except OSError as e:
-            if time.monotonic() >= deadline:
-                raise InitializeError(
-                    f"could not connect process {process_id} to the coordination service at "
-                    f"{address} within {timeout} s ({e.strerror or e}); is the coordinator "
-                    "(jaxft launch / jaxft coordinator) running?") from None
-            time.sleep(0.2)
+    why = wait_reachable(address, timeout)
+    if why is not None:
+        raise InitializeError(f"could not connect process {process_id} to the coordination service at "
+                              f"{address} within {timeout:g} s ({why}); is the coordinator "
+                              "(jaxft launch / jaxft coordinator) running?")
 
 
 def _fault_logger(events: EventLog):

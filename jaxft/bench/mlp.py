@@ -27,6 +27,8 @@ flags.DEFINE_integer("checkpoint_every", 0, "async Orbax checkpoint every K comm
                      "on start, restore the latest complete checkpoint if there is one")
 flags.DEFINE_string("checkpoint_dir", None, "checkpoint directory (default: $JAXFT_RUN_DIR/checkpoints)")
 flags.DEFINE_integer("keep", 3, "complete checkpoints to keep (max_to_keep; 0: keep all)")
+flags.DEFINE_string("final_params", None, "write each process's final params to DIR/final-p<P>.npz "
+                    "(for leaf-by-leaf comparisons)")
 
 
 def make_dataset(num_examples: int, features: int = 16):
@@ -108,6 +110,12 @@ def main(argv):
     state = trainer.run(FLAGS.steps)
     if ckpt is not None:
         ckpt.close()
+    if FLAGS.final_params:
+        import os
+
+        os.makedirs(FLAGS.final_params, exist_ok=True)
+        np.savez(os.path.join(FLAGS.final_params, f"final-p{rt.process_id}.npz"),
+                 **{k: np.asarray(v) for k, v in state.params.items()})
     print(f"done: step {state.step} loss {trainer.last_loss:.6f}", flush=True)
 
 
