@@ -261,3 +261,15 @@ def test_host_partitioned_then_healed(reference, tmp_path):
     figures["heal_to_full_width_s"] = _first_commit_after(evts, t_heal, width=NODES * PER_NODE)
     figures["max_leaf_rel_diff"] = _same_as(reference, tmp_path)
     _record("host_partitioned", figures)
+
+
+def test_loopback_hostname_is_named_with_its_fix(tmp_path):
+    """Inside a host whose name resolves to 127.0.0.1, a CPU worker of a job whose coordinator
+    is on another host fails at once with the cause and the fix, not after a gloo timeout."""
+    code = ("import jaxft\ntry:\n    jaxft.initialize(coordinator_address='{gw}:1', num_processes=2, process_id=1)\n"
+            "except jaxft.InitializeError as e:\n    print('InitializeError:', e)\n")
+    with hosts(1) as h:
+        r = subprocess.run(h.command(0, [sys.executable, "-c", code.format(gw=h.gateway)]), env=_env(),
+                           capture_output=True, text=True, timeout=60)
+    assert "InitializeError: this host's name" in r.stdout and "(loopback)" in r.stdout, r.stdout + r.stderr
+    assert "--gloo-interface IFACE" in r.stdout and "/etc/hosts" in r.stdout, r.stdout
