@@ -12,9 +12,10 @@ import importlib
 from typing import TYPE_CHECKING
 
 from jaxft.coordinator import Coordinator
-from jaxft.errors import (BarrierAbandoned, BarrierTimeout, CheckpointError, CheckpointMismatch, CheckpointRejected, ConsistencyError,
-                          CoordinatorError, Error, FaultSpecError, InitializeError, LaunchError, SaveAbandoned,
-                          StepFailed, TimeoutsError)
+from jaxft.errors import (BarrierAbandoned, BarrierTimeout, CheckpointError, CheckpointMismatch,
+                          CheckpointRejected, ConfigError, ConsistencyError, CoordinatorError, Error,
+                          FaultSpecError, InitializeError, LaunchError, SaveAbandoned, StepFailed,
+                          TimeoutsError)
 from jaxft.events import EventLog, read_events
 from jaxft.faults import FaultInjector, FaultRule, parse_rules
 from jaxft.launcher import LaunchConfig, Launcher
@@ -53,8 +54,8 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "BarrierAbandoned", "BarrierTimeout", "CheckpointError", "CheckpointMismatch", "CheckpointRejected", "ConsistencyError",
-    "Coordinator", "CoordinatorError", "Error", "EventLog", "FaultInjector", "FaultRule", "FaultSpecError",
+    "BarrierAbandoned", "BarrierTimeout", "CheckpointError", "CheckpointMismatch", "CheckpointRejected",
+    "ConfigError", "ConsistencyError", "Coordinator", "CoordinatorError", "Error", "EventLog", "FaultInjector", "FaultRule", "FaultSpecError",
     "InitializeError", "LaunchConfig", "LaunchError", "Launcher", "PyTree", "Runtime", "SaveAbandoned",
     "StepFailed", "Timeouts", "TimeoutsError", "initialize", "parse_rules", "read_events", *_WHERE,
 ]

@@ -15,6 +15,17 @@ class Error(Exception):
     """Base of every jaxft error."""
 
 
+# A worker that stops on a ConfigError exits with this code (sysexits' EX_CONFIG), and
+# the launcher does not restart it: a restart would only repeat the error.
+EXIT_CONFIG_ERROR = 78
+
+
+class ConfigError(Error):
+    """A configuration error (a checkpoint of another model, a file where a directory is
+    needed, ...): not a fault. Uncaught in a worker, it ends the worker with
+    :data:`EXIT_CONFIG_ERROR` and a one-line message, and the launcher does not retry it."""
+
+
 class InitializeError(Error, RuntimeError):
     """``jaxft.initialize`` was called wrongly or could not connect."""
 
@@ -73,7 +84,11 @@ class CheckpointRejected(CheckpointError):
         super().__init__(f"checkpoint {path} rejected: {reason}")
 
 
-class CheckpointMismatch(CheckpointError):
+class CheckpointDirectoryError(CheckpointError, ConfigError):
+    """The checkpoint directory cannot be used (a regular file, not creatable, ...)."""
+
+
+class CheckpointMismatch(CheckpointError, ConfigError):
     """An intact checkpoint of a different model (other tree structure, shapes or dtypes)."""
 
 

@@ -72,16 +72,24 @@ def read_events(run_dir: str | os.PathLike) -> list[dict]:
     return list(iter_events(run_dir))
 
 
+REQUIRED_FIELDS = ("time", "event", "process")
+
+
 def iter_events(run_dir: str | os.PathLike) -> Iterator[dict]:
+    """The events of a run; lines that are not events (torn, not JSON, or JSON without
+    ``time``, ``event`` and ``process``) are skipped."""
     path = os.path.join(os.fspath(run_dir), EVENTS_FILE)
     if not os.path.exists(path):
         return
-    with open(path) as f:
+    with open(path, errors="replace") as f:
         for line in f:
             line = line.strip()
             if not line:
                 continue
             try:
-                yield json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if (isinstance(record, dict) and all(k in record for k in REQUIRED_FIELDS)
+                    and isinstance(record["time"], (int, float)) and isinstance(record["event"], str)):
+                yield record

@@ -9,6 +9,7 @@ setting that its error names.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 import time
@@ -18,6 +19,8 @@ from jaxft import _compat
 from jaxft import timeouts as _timeouts
 from jaxft.errors import BarrierAbandoned, BarrierTimeout
 from jaxft.timeouts import Timeouts
+
+logger = logging.getLogger(__name__)
 
 FINISHED_KEY = "jaxft/finished"
 
@@ -108,8 +111,9 @@ class Heartbeat:
                 n += 1
                 try:
                     c.key_value_set(self.key(self.nonce), str(n), allow_overwrite=True)
-                except Exception:  # noqa: BLE001 - the service is gone: the job is ending
-                    return
+                except Exception as e:  # noqa: BLE001 - a transient error must not end the heartbeat:
+                    # peers would declare this process dead and abandon every save it is late to.
+                    logger.debug("heartbeat %s: %s (retrying)", self.nonce, e)
 
         self._thread = threading.Thread(target=beat, name="jaxft-heartbeat", daemon=True)
         self._thread.start()

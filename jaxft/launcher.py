@@ -28,7 +28,7 @@ from typing import Iterator, Sequence, TextIO
 
 from jaxft import envvars
 from jaxft.coordinator import Coordinator, wait_reachable
-from jaxft.errors import LaunchError, TimeoutsError
+from jaxft.errors import EXIT_CONFIG_ERROR, LaunchError, TimeoutsError
 from jaxft.events import EventLog
 from jaxft.faults import FaultRule, parse_rules
 from jaxft.timeouts import Timeouts
@@ -114,6 +114,12 @@ class LaunchConfig:
             host, _, port = self.coordinator.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise LaunchError(f"--coordinator must be HOST:PORT, got {self.coordinator!r}")
+        if not 0 <= self.port < 65536:
+            raise LaunchError(f"--port must be in 0..65535 (0: a free one), got {self.port}")
+        if self.grace_s < 0:
+            raise LaunchError(f"--grace must be >= 0, got {self.grace_s:g}")
+        if self.run_dir is not None:
+            _check_run_dir(self.run_dir)
         self.resolved_timeouts()
         rules = parse_rules(list(self.faults))
         total = self.total_processes
@@ -124,12 +130,24 @@ class LaunchConfig:
         return rules
 
 
-def _set_pdeathsig() -> None:
-    """In the child: die with SIGKILL when the launcher dies (Linux)."""
+def _resolve_prctl():
+    """libc's ``prctl``, looked up once in the launcher (never ``dlopen`` in a forked child,
+    where a loader lock held by another thread of the parent could deadlock it)."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _resolve_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _set_pdeathsig() -> None:
+    """In the child, between fork and exec: die with SIGKILL when the launcher dies (Linux).
+    Only a call through the pointer resolved above: no import, no allocation-heavy work."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _is_stopped(pid: int) -> bool:
@@ -138,6 +156,41 @@ def _is_stopped(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
     except (OSError, IndexError):
         return False
+
+
+def _check_run_dir(run_dir: str) -> None:
+    """Create ``run_dir`` (or find it) and make sure it is a writable directory."""
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as e:
+        raise LaunchError(f"--run-dir {run_dir!r}: cannot create it ({e.strerror or e})") from None
+    if not os.path.isdir(run_dir) or not os.access(run_dir, os.W_OK | os.X_OK):
+        raise LaunchError(f"--run-dir {run_dir!r} is not a writable directory")
+
+
+FAULT_DIR_PREFIX = "jaxft-faults-"
+
+
+def _fault_dir() -> str:
+    """A fresh directory for fault markers, named after this launcher's pid; those of
+    launchers that died without cleaning up (SIGKILL) are removed first."""
+    tmp = tempfile.gettempdir()
+    for name in os.listdir(tmp):
+        if name.startswith(FAULT_DIR_PREFIX):
+            pid = name[len(FAULT_DIR_PREFIX):].split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{FAULT_DIR_PREFIX}{os.getpid()}-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @dataclasses.dataclass
@@ -253,13 +306,13 @@ class Launcher:
                                   f"{self.timeouts.describe('initialization')} ({why}); start jaxft coordinator "
                                   "(or the agent with --host-coordinator) first, and check the address")
         t0 = time.time()
-        if c.run_dir:
-            os.makedirs(c.run_dir, exist_ok=True)
-        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        fault_dir = tempfile.mkdtemp(prefix="jaxft-faults-")
-        exit_code = 1
-        try:
-            with self._coordinator() as address:
+        # The service first (a busy or bad port fails here, before anything started), and
+        # it goes last: workers are ended while it still runs, so they exit cleanly.
+        with self._coordinator() as address:
+            old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+            fault_dir = _fault_dir()
+            exit_code = 1
+            try:
                 where = f"node {c.node_rank} of {c.nnodes}: " if c.nnodes > 1 else ""
                 self.say(f"{where}coordinator at {address}; starting {c.num_processes} workers")
                 self.events.log("run_start", num_processes=c.total_processes, coordinator=address,
@@ -268,12 +321,12 @@ class Launcher:
                 for w in self.workers:
                     self._start(w, address, fault_dir)
                 exit_code = self._supervise(address, fault_dir, time.time())  # after= counts from here
-        finally:
-            self._terminate_all()
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
-            shutil.rmtree(fault_dir, ignore_errors=True)
-            self._write_summary(exit_code, time.time() - t0)
+            finally:
+                self._terminate_all()
+                for s, h in old_handlers.items():
+                    signal.signal(s, h)
+                shutil.rmtree(fault_dir, ignore_errors=True)
+                self._write_summary(exit_code, time.time() - t0)
         return exit_code
 
     @contextlib.contextmanager
@@ -340,7 +393,10 @@ class Launcher:
                     w.reader.join(timeout=2)
                 self._record_exit(w, code, reason)
                 w.returncode = code
-                if code != 0 and c.restart == "all" and w.restarts < c.max_restarts:
+                if code == EXIT_CONFIG_ERROR:
+                    w.done = True  # a configuration error is not a fault: restarting repeats it
+                    self.say(f"process {w.process_id} stopped on a configuration error; not restarting it")
+                elif code != 0 and c.restart == "all" and self._restarts_left():
                     self._restart_everyone(w, now)
                 elif code != 0 and c.restart == "on-failure" and w.restarts < c.max_restarts:
                     self._schedule_restart(w, now)
@@ -360,18 +416,30 @@ class Launcher:
                  + (f" in {c.restart_delay_s:g} s" if c.restart_delay_s else ""))
         w.restart_at = now + c.restart_delay_s
 
+    def _restarts_left(self) -> bool:
+        """``--restart all`` restarts every worker at once: the budget is one per round."""
+        return max(w.restarts for w in self.workers) < self.config.max_restarts
+
     def _restart_everyone(self, failed: _Worker, now: float) -> None:
-        """``--restart all``: one failure takes every worker down; all start again."""
+        """``--restart all``: one failure takes every worker down; all start again, except
+        those that already finished their work (exit 0)."""
         self.say(f"process {failed.process_id} failed: restarting all workers (--restart all)")
         for w in self.workers:
-            if w is not failed and w.proc is not None and w.proc.poll() is None:
+            if w is failed or w.proc is None or w.restart_at is not None or (w.done and w.returncode == 0):
+                continue
+            if w.proc.poll() is None:
                 self._signal_group(w, signal.SIGKILL)
-                w.proc.wait()
-                if w.reader is not None:
-                    w.reader.join(timeout=2)
-                self._record_exit(w, w.proc.returncode, "killed by --restart all")
+                reason = "killed by --restart all"
+            else:
+                reason = None  # died on its own in the same tick: still gets its exit event
+            code = w.proc.wait()
+            if w.reader is not None:
+                w.reader.join(timeout=2)
+            if not w.done:
+                self._record_exit(w, code, reason)
+                w.returncode = code
         for w in self.workers:
-            if w.restart_at is None:
+            if w.restart_at is None and not (w.done and w.returncode == 0):
                 self._schedule_restart(w, now)
 
     def _terminate_all(self) -> None:

@@ -94,6 +94,9 @@ def main(run_dir: str, as_json: bool = False, png: str | None = None) -> int:
         print(f"jaxft report: no events.jsonl in {run_dir}")
         return 2
     events = read_events(run_dir)
+    if not events:
+        print(f"jaxft report: {os.path.join(run_dir, 'events.jsonl')} holds no events")
+        return 2
     s = summarize(events)
     png = png or os.path.join(run_dir, "report.png")
     s["report_png"] = plot(events, png, title=f"jaxft run {os.path.basename(os.path.abspath(run_dir))}")

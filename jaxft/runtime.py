@@ -8,6 +8,8 @@ import dataclasses
 import math
 import os
 import shlex
+import signal
+import sys
 import threading
 import time
 from typing import Sequence
@@ -15,7 +17,7 @@ from typing import Sequence
 from jaxft import _compat, cluster, envvars
 from jaxft import timeouts as timeouts_lib
 from jaxft.coordinator import wait_reachable
-from jaxft.errors import InitializeError, TimeoutsError
+from jaxft.errors import EXIT_CONFIG_ERROR, ConfigError, InitializeError, TimeoutsError
 from jaxft.events import EventLog
 from jaxft.faults import FaultInjector, FaultRule
 from jaxft.timeouts import Timeouts
@@ -225,12 +227,38 @@ def initialize(coordinator_address: str | None = None,
     events = EventLog(run_dir, process_id, incarnation)
     faults = FaultInjector.from_env(process_id, on_fire=_fault_logger(events), environ=environ)
     timeouts_lib.set_current(timeouts)
+    _install_stop_handlers()
     return Runtime(process_id=process_id, num_processes=num_processes, incarnation=incarnation,
                    coordinator_address=coordinator_address,
                    external_coordinator=bool(external_coordinator),
                    heartbeat_timeout=int(heartbeat_timeout),
                    collective_timeout=int(collective_timeout), run_dir=run_dir,
                    events=events, faults=faults, timeouts=timeouts, source=place.source)
+
+
+def _install_stop_handlers() -> None:
+    """SIGTERM ends the worker (exit 143) instead of JAX's preemption notice, which only
+    records it, so a launcher's clean stop does not wait for its SIGKILL; an uncaught
+    :class:`~jaxft.errors.ConfigError` ends it with one line and :data:`EXIT_CONFIG_ERROR`."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    if not getattr(sys.excepthook, "_jaxft", False):
+        previous = sys.excepthook
+
+        def hook(exc_type, exc, tb):
+            if issubclass(exc_type, ConfigError):
+                sys.stderr.write(f"jaxft: configuration error ({exc_type.__name__}): {exc}\n")
+                sys.stderr.flush()
+                sys.stdout.flush()
+                os._exit(EXIT_CONFIG_ERROR)
+            previous(exc_type, exc, tb)
+
+        hook._jaxft = True  # type: ignore[attr-defined]
+        sys.excepthook = hook
+
+
+def _on_sigterm(signum, _frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _outlive_peers(num_processes: int, timeouts: Timeouts) -> None:

@@ -13,6 +13,7 @@ import os
 from typing import Any, Mapping
 
 from jaxft.checkpoint.store import CheckpointStore, Restored, _Save
+from jaxft.errors import CheckpointDirectoryError
 from jaxft.events import EventLog
 from jaxft.timeouts import Timeouts
 
@@ -34,7 +35,7 @@ def resolve_directory(directory: str | os.PathLike | None, environ=os.environ) -
 
     run_dir = environ.get(envvars.RUN_DIR)
     if not run_dir:
-        raise ValueError("checkpointing needs a directory: pass one, or run under "
+        raise CheckpointDirectoryError("checkpointing needs a directory: pass one, or run under "
                          "jaxft launch --run-dir (which sets $JAXFT_RUN_DIR)")
     return os.path.join(run_dir, "checkpoints")
 

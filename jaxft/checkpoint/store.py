@@ -37,7 +37,7 @@ from jaxft import timeouts as timeouts_lib
 from jaxft.checkpoint import orbax
 from jaxft.checkpoint.layout import (FORMAT, _unflatten_like, check_metadata, flatten_state, state_checksum,
                                     verified_leaves)
-from jaxft.errors import CheckpointRejected
+from jaxft.errors import CheckpointDirectoryError, CheckpointError, CheckpointRejected
 from jaxft.events import EventLog
 from jaxft.timeouts import Timeouts
 from jaxft.types import PyTree
@@ -197,7 +197,13 @@ class CheckpointStore:
         self.events = events or EventLog(None, self.process_id)
         self.barrier_timeout_s = self.timeouts.save_barrier
         self.async_timeout_s = self.timeouts.save
-        os.makedirs(self.directory, exist_ok=True)
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise CheckpointDirectoryError(f"checkpoint directory {self.directory} exists and is not a directory")
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as e:
+            raise CheckpointDirectoryError(f"cannot create the checkpoint directory {self.directory} "
+                                           f"({e.strerror or e})") from None
         orbax.set_barrier_timeout(self.barrier_timeout_s)
         orbax.private_signal_keys()
         self._current: _Save | None = None
@@ -234,8 +240,12 @@ class CheckpointStore:
         prev = self._current
         self._current = None
         if prev is not None:
-            if prev.digest == digest:
-                prev.wait()  # Orbax semantics: one save at a time per manager lineage
+            if prev.digest == digest and not prev.wait(self.timeouts.save):
+                # Orbax semantics: one save at a time per manager lineage; this one is stuck.
+                prev.cancel.set()
+                logger.warning("checkpoint %s still running after %s; abandoning it", prev.path,
+                               self.timeouts.describe("save"))
+                prev.wait(10.0)
             else:
                 self._detached.append(prev)  # other members: finishes or is cancelled on its own
         self.poll()
@@ -251,6 +261,8 @@ class CheckpointStore:
 
         def before_commit() -> None:  # on the primary, before Orbax writes the step metadata
             checksum_done.wait()
+            if not meta["checksum"]:  # publishing it would make a checkpoint every restore rejects
+                raise CheckpointError(f"checkpoint {step}: the checksum could not be computed; not publishing")
 
         if me == members[0]:
             def compute() -> None:
@@ -375,6 +387,7 @@ class CheckpointStore:
         primary, or moved aside by a peer that rejected it first) is not reported as
         rejected: the directory is listed again instead, since a newer one may exist.
         """
+        rejected: list[str] = []
         for _ in range(5):
             relist = False
             for step in reversed(self.steps()):
@@ -383,9 +396,10 @@ class CheckpointStore:
                 try:
                     restored = self.restore(step, template)
                 except CheckpointRejected as e:
-                    if not os.path.isdir(path):
-                        relist = True
+                    if not os.path.isdir(path) or step not in self.steps():
+                        relist = True  # deleted (max_to_keep) or moved aside by a peer while we read it
                         break
+                    rejected.append(f"{step}: {e.reason}")
                     moved = self._quarantine(path) if quarantine else None
                     logger.info("checkpoint %s rejected (%s); moved to %s", path, e.reason, moved)
                     self.events.log("checkpoint_rejected", path=path, step=step, reason=e.reason, moved_to=moved)
@@ -394,7 +408,10 @@ class CheckpointStore:
                                 seconds=round(time.perf_counter() - t0, 4))
                 return restored
             if not relist:
-                return None
+                break
+        if rejected:
+            raise CheckpointError(f"every checkpoint in {self.directory} was rejected ({'; '.join(rejected)}); "
+                                  "refusing to start over from step 0. Move the directory aside to start fresh.")
         return None
 
     def _quarantine(self, path: str) -> str | None:

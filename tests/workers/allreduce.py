@@ -12,7 +12,7 @@ import jaxft
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--seconds", type=float, default=15.0)
-args = parser.parse_args()
+args, _ = parser.parse_known_args()  # extra words: markers tests put on the command line
 
 rt = jaxft.initialize()
 
