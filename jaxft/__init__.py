@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from jaxft.coordinator import Coordinator
 from jaxft.errors import (BarrierAbandoned, BarrierTimeout, CheckpointError, CheckpointMismatch,
                           CheckpointRejected, ConfigError, ConsistencyError, CoordinatorError, Error,
-                          FaultSpecError, InitializeError, LaunchError, SaveAbandoned, StepFailed,
-                          TimeoutsError)
+                          FaultSpecError, InitializeError, LaunchError, RetryBudgetExceeded, SaveAbandoned,
+                          StepFailed, TimeoutsError, TooFewMembers)
 from jaxft.events import EventLog, read_events
 from jaxft.faults import FaultInjector, FaultRule, parse_rules
 from jaxft.launcher import LaunchConfig, Launcher
@@ -56,6 +56,6 @@ def __getattr__(name: str):
 __all__ = [
     "BarrierAbandoned", "BarrierTimeout", "CheckpointError", "CheckpointMismatch", "CheckpointRejected",
     "ConfigError", "ConsistencyError", "Coordinator", "CoordinatorError", "Error", "EventLog", "FaultInjector", "FaultRule", "FaultSpecError",
-    "InitializeError", "LaunchConfig", "LaunchError", "Launcher", "PyTree", "Runtime", "SaveAbandoned",
-    "StepFailed", "Timeouts", "TimeoutsError", "initialize", "parse_rules", "read_events", *_WHERE,
+    "InitializeError", "LaunchConfig", "LaunchError", "Launcher", "PyTree", "RetryBudgetExceeded", "Runtime",
+    "SaveAbandoned", "StepFailed", "Timeouts", "TimeoutsError", "TooFewMembers", "initialize", "parse_rules", "read_events", *_WHERE,
 ]

@@ -87,16 +87,23 @@ class Layout:
         m = per_device if not micro_batch else min(micro_batch, per_device)
         return cls(global_batch, num_devices, math.ceil(per_device / m), m)
 
-    def arrange(self, x: np.ndarray) -> np.ndarray:
-        """``[G, ...] -> [M, D*m, ...]`` with zero padding."""
+    def arrange(self, x: np.ndarray, pad_with_zeros: bool = False) -> np.ndarray:
+        """``[G, ...] -> [M, D*m, ...]``.
+
+        Padding slots hold copies of the first example (a real input, so a loss that is
+        NaN or inf on zeros cannot poison the masked sum or its gradient), or zeros with
+        ``pad_with_zeros`` (for the mask itself).
+        """
         d, mm, m = self.num_devices, self.num_micro, self.micro_size
         padded = np.zeros((d * mm * m,) + x.shape[1:], x.dtype)
         padded[: self.global_batch] = x
+        if not pad_with_zeros and self.global_batch < padded.shape[0]:
+            padded[self.global_batch:] = x[:1]
         # device-major: device d owns examples [d*M*m, (d+1)*M*m) of the padded batch
         return padded.reshape((d, mm, m) + x.shape[1:]).swapaxes(0, 1).reshape((mm, d * m) + x.shape[1:])
 
     def mask(self) -> np.ndarray:
-        return self.arrange(np.ones(self.global_batch, np.float32))
+        return self.arrange(np.ones(self.global_batch, np.float32), pad_with_zeros=True)
 
 
 def shard_batch(batch: PyTree, mesh, axis_name: str = "data",
@@ -110,8 +117,8 @@ def shard_batch(batch: PyTree, mesh, axis_name: str = "data",
     layout = Layout.plan(int(np.shape(leaves[0])[0]), num_devices, micro_batch)
     sharding = NamedSharding(mesh, P(None, axis_name))
 
-    def place(x: np.ndarray) -> jax.Array:
-        arranged = layout.arrange(np.asarray(x))
+    def place(arranged: np.ndarray) -> jax.Array:
         return jax.make_array_from_callback(arranged.shape, sharding, lambda idx: arranged[idx])
 
-    return jax.tree_util.tree_map(place, batch), place(np.ones(layout.global_batch, np.float32))
+    placed = jax.tree_util.tree_map(lambda x: place(layout.arrange(np.asarray(x))), batch)
+    return placed, place(layout.mask())

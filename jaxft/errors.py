@@ -64,6 +64,15 @@ class StepFailed(Error, RuntimeError):
         super().__init__(f"step failed; processes {list(self.failed)} failed ({why})")
 
 
+class TooFewMembers(Error, RuntimeError):
+    """Fewer live members than the run's minimum: steps are not committed, and after a
+    bound the run stops instead of training on with too few."""
+
+
+class RetryBudgetExceeded(Error, RuntimeError):
+    """One step failed more times in a row than the run allows."""
+
+
 class ConsistencyError(Error, RuntimeError):
     """Members hold different parameters: a bug or silent corruption, never ignored."""
 

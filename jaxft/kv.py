@@ -50,17 +50,25 @@ def wait_at_barrier(barrier_id: str, process_ids: Sequence[int], timeouts: Timeo
 
 # -- the run-finished flag ---------------------------------------------------------------------
 
-def mark_finished() -> None:
-    """Tell late joiners the run is over, so none waits for peers that are gone."""
-    client().key_value_set(FINISHED_KEY, "1", allow_overwrite=True)
+ANY_STEP = "*"
+
+
+def mark_finished(step: int | None = None) -> None:
+    """Tell late joiners the run is over (at ``step``; None: whatever they wait for)."""
+    client().key_value_set(FINISHED_KEY, ANY_STEP if step is None else str(int(step)), allow_overwrite=True)
+
+
+def finished_value() -> str | None:
+    """What :func:`mark_finished` wrote (None if nothing, or the service is unreachable)."""
+    try:
+        return client().key_value_try_get(FINISHED_KEY)
+    except Exception:  # NOT_FOUND is raised, not returned
+        return None
 
 
 def run_finished() -> bool:
-    """Whether some process called :func:`mark_finished` (False when the service is unreachable)."""
-    try:
-        return client().key_value_try_get(FINISHED_KEY) is not None
-    except Exception:  # NOT_FOUND is raised, not returned
-        return False
+    """Whether some process called :func:`mark_finished`."""
+    return finished_value() is not None
 
 
 # -- liveness: a heartbeat in the key-value store ----------------------------------------------

@@ -96,6 +96,7 @@ class ElasticGroup:
         self.process_id = jax.process_index()
         self.platform = jax.devices()[0].platform
         self.generation = 0
+        self.target: int | None = None  # the step the current run trains to (set by ElasticTrainer.run)
         self._previous: dict[int, int] | None = None  # member map of the previous step
         self._synced: dict[int, int] | None = None  # member map the data plane was built for
         self._agreed: dict[int, int] | None = None  # member map of the last committed step
@@ -160,12 +161,20 @@ class ElasticGroup:
             _compat.rekey_live_devices(jax.devices())
 
     # -- bounded waiting --------------------------------------------------------------
-    def finish(self) -> None:
-        """Tell late joiners the run is over, so none waits for peers that are gone."""
-        kv.mark_finished()
+    def finish(self, step: int | None = None) -> None:
+        """Tell late joiners the run is over (at ``step``), so none waits for peers that are gone."""
+        kv.mark_finished(step)
 
     def run_finished(self) -> bool:
-        return kv.run_finished()
+        """Whether peers finished the run this process is in: a run that ended at a step at or
+        past :attr:`target` (a later ``run()`` to more steps in the same job is another run),
+        or any run when this process has no target."""
+        value = kv.finished_value()
+        if value is None:
+            return False
+        if self.target is None or value == kv.ANY_STEP:
+            return True
+        return value.isdigit() and int(value) >= self.target
 
     @contextlib.contextmanager
     def _watch(self, what: str) -> Iterator[None]:

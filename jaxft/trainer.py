@@ -11,6 +11,7 @@ the lowest-numbered member holding the latest step.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable
 
 import jax
@@ -21,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxft import rejoin, transfer
 from jaxft.data import GlobalBatches, shard_batch
-from jaxft.errors import ConsistencyError, StepFailed
+from jaxft.errors import ConsistencyError, RetryBudgetExceeded, StepFailed, TooFewMembers
 from jaxft.events import EventLog
 from jaxft.faults import FaultInjector
 from jaxft.membership import ElasticGroup, Members
@@ -48,6 +49,19 @@ class StepRecord:
     incarnations: dict[int, int] = dataclasses.field(default_factory=dict)  # process -> service incarnation
 
 
+def _per_example(loss: jax.Array, mask: jax.Array) -> jax.Array:
+    """Check (at trace time) that ``loss_fn`` returned one loss per example: a ``[B, 1]``
+    loss would silently broadcast against the ``[B]`` mask into ``[B, B]``."""
+    if loss.shape != mask.shape:
+        raise ValueError(f"loss_fn must return one loss per example, shape {tuple(mask.shape)}; it returned "
+                         f"shape {tuple(loss.shape)} (reduce the other axes, e.g. jnp.sum(..., axis=-1))")
+    return loss
+
+
+class _Skip(Exception):
+    """Leave a step without committing (all members agree on why)."""
+
+
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, global_batch: int,
                     mesh: Mesh) -> Callable:
     """Jitted ``(params, opt_state, batch[M, D*m, ...], mask[M, D*m]) -> (params, opt_state, loss)``.
@@ -63,7 +77,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, gl
         def micro(carry, xs):
             grad_sum, loss_sum = carry
             b, m = xs
-            loss, grads = jax.value_and_grad(lambda p: jnp.sum(loss_fn(p, b) * m))(params)
+            loss, grads = jax.value_and_grad(lambda p: jnp.sum(_per_example(loss_fn(p, b), m) * m))(params)
             return (jax.tree_util.tree_map(jnp.add, grad_sum, grads), loss_sum + loss), None
 
         zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
@@ -113,13 +127,24 @@ class ElasticTrainer:
       runtime: what :func:`jaxft.initialize` returned (events and fault points).
       micro_batch: examples per device per micro-batch (gradient accumulation), or None.
       check_every: every N steps, verify that all members hold bitwise-identical params.
+      min_members: commit no step with fewer live processes than this; wait for more (up to
+        ``Timeouts.barrier``), then raise :class:`~jaxft.errors.TooFewMembers`.
+      max_attempts: failed attempts in a row at one step before
+        :class:`~jaxft.errors.RetryBudgetExceeded` (None: unbounded).
     """
 
     def __init__(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, params: PyTree,
                  data: GlobalBatches, *, runtime=None, events: EventLog | None = None,
                  faults: FaultInjector | None = None, micro_batch: int | None = None,
                  check_every: int = 0, group: ElasticGroup | None = None,
-                 on_commit: Callable[["ElasticTrainer", StepRecord], None] | None = None):
+                 on_commit: Callable[["ElasticTrainer", StepRecord], None] | None = None,
+                 min_members: int = 1, max_attempts: int | None = 100):
+        if min_members < 1:
+            raise ValueError(f"min_members must be >= 1, got {min_members}")
+        if max_attempts is not None and max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1 or None, got {max_attempts}")
+        self.min_members = min_members
+        self.max_attempts = max_attempts
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.data = data
@@ -129,6 +154,8 @@ class ElasticTrainer:
         self.faults = faults or (runtime.faults if runtime is not None else FaultInjector([], jax.process_index()))
         self.group = group or ElasticGroup()
         self.on_commit = on_commit
+        self._too_few: tuple[int, ...] | None = None
+        self._last_failure = ""
         self.state = TrainState(0, params, optimizer.init(params))
         self.last_loss: float | None = None
         self._steps: dict[tuple[int, ...], Callable] = {}
@@ -177,18 +204,38 @@ class ElasticTrainer:
     # -- the loop -----------------------------------------------------------------------
     def run(self, num_steps: int) -> TrainState:
         """Train until ``num_steps`` steps are committed; returns the final state."""
+        self.group.target = num_steps
+        failures, waiting_since = 0, None
         while self.state.step < num_steps:
-            self.try_step()
-        self.group.finish()
+            step = self.state.step
+            record = self.try_step()
+            if record is not None:
+                failures, waiting_since = 0, None
+            elif self._too_few is not None:  # nothing failed: too few members to commit
+                waiting_since = waiting_since or time.monotonic()
+                if time.monotonic() - waiting_since > self.group.timeouts.barrier:
+                    raise TooFewMembers(f"only processes {list(self._too_few)} are alive, fewer than min_members="
+                                        f"{self.min_members}, for {self.group.timeouts.describe('barrier')}")
+                time.sleep(self.group.poll_s)
+            else:
+                failures += 1
+                if self.max_attempts is not None and failures >= self.max_attempts and self.state.step == step:
+                    raise RetryBudgetExceeded(f"step {step} failed {failures} times in a row "
+                                              f"(max_attempts={self.max_attempts}); last: {self._last_failure}")
+        self.group.finish(self.state.step)
         self.log_final()
         return self.state
 
     def try_step(self) -> StepRecord | None:
         """One attempt at the next step; None if it failed (nothing was committed)."""
         step = self.state.step
+        self._too_few = None
         self.faults.point("before-step", step)
         try:
             with self.group.step() as m:
+                if len(m.process_ids) < self.min_members:  # every member sees the same m: all skip
+                    self._too_few = m.process_ids
+                    raise _Skip
                 state, rehydrated = (self._sync_state(m) if m.gained else (self.state, None))
                 step = state.step
                 fn = self._train_step(m)
@@ -203,8 +250,12 @@ class ElasticTrainer:
                         raise ConsistencyError(step + 1, bad)
                 loss = float(np.asarray(loss.addressable_data(0)))
         except StepFailed as e:
+            self._last_failure = str(e)
             self.events.log("step_failed", step=step, failed=list(e.failed),
                             cause=str(e.cause).splitlines()[0][:300] if e.cause else "membership changed")
+            return None
+        except _Skip:
+            self.events.log("step_waiting", step=step, members=list(self._too_few), min_members=self.min_members)
             return None
         if rehydrated is not None:
             self.events.log("join", step=rehydrated.from_step, process=self.group.process_id)

@@ -120,5 +120,14 @@ def check_consistent(tree: PyTree, mesh: Mesh, axis_name: str = "data") -> list[
     rows = allgather_rows(digest, mesh, axis_name)
     procs = [d.process_index for d in mesh.devices.flat]
     keys = [r.tobytes() for r in rows]
-    majority = max(set(keys), key=keys.count)
-    return sorted({p for p, k in zip(procs, keys) if k != majority})
+    return disagreeing(procs, keys)
+
+
+def disagreeing(processes: list[int], keys: list[bytes]) -> list[int]:
+    """The processes whose key differs from the majority's. A tie goes to the key held by
+    the lowest process id, so every member blames the same processes."""
+    holders: dict[bytes, list[int]] = {}
+    for p, k in zip(processes, keys):
+        holders.setdefault(k, []).append(p)
+    majority = min(holders, key=lambda k: (-len(holders[k]), min(holders[k])))
+    return sorted({p for p, k in zip(processes, keys) if k != majority})

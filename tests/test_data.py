@@ -38,6 +38,7 @@ def test_layout_covers_batch_exactly_once(g, d, m):
     arranged, mask = layout.arrange(x), layout.mask()
     assert arranged.shape == mask.shape == (layout.num_micro, d * layout.micro_size)
     assert sorted(arranged[mask > 0].tolist()) == list(range(1, g + 1))
-    assert (arranged[mask == 0] == 0).all()
+    assert (arranged[mask == 0] == x[0]).all()  # padding: copies of a real example, never zeros
+    assert (layout.arrange(x, pad_with_zeros=True)[mask == 0] == 0).all()
     if m:
         assert layout.micro_size <= m

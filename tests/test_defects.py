@@ -52,3 +52,57 @@ def test_checkpoint_dir_that_is_a_file_is_a_one_line_configuration_error(tmp_pat
     assert "Traceback" not in r.stdout + r.stderr, r.describe()
     assert f"checkpoint directory {not_a_dir} exists and is not a directory" in r.stdout, r.describe()
     assert summary(tmp_path / "run")["restarts"] == {"0": 0, "1": 0}
+
+
+def test_padding_never_feeds_zeros_to_the_loss(tmp_path):
+    """10 examples on 3 processes need 2 padding slots. Before, they were zeros: a loss that is
+    NaN on zeros turned the whole gradient into NaN (NaN x 0 = NaN)."""
+    worker = [PYTHON, "tests/workers/padding.py"]
+    r = launch(3, worker, run_dir=tmp_path / "three", timeout=120)
+    assert r.returncode == 0, r.describe()
+    r1 = launch(1, worker, run_dir=tmp_path / "one", timeout=120)  # no padding at width 1
+    assert r1.returncode == 0, r1.describe()
+    three = by_event(events(tmp_path / "three"), "padding_result")
+    (one,) = by_event(events(tmp_path / "one"), "padding_result")
+    assert len(three) == 3 and all(e["finite"] for e in three), three
+    for e in three:  # the same math at another width: equal up to float32 summation order
+        np.testing.assert_allclose(e["w"], one["w"], rtol=1e-5, atol=1e-7)
+
+
+def test_a_loss_of_the_wrong_shape_is_refused(tmp_path):
+    """Before, a [B, 1] loss broadcast against the [B] mask into [B, B] and trained wrongly."""
+    r = launch(1, [PYTHON, "tests/workers/padding.py", "--bad_shape"], run_dir=tmp_path, timeout=120)
+    assert r.returncode != 0, r.describe()
+    assert "loss_fn must return one loss per example, shape (10,); it returned shape (10, 1)" in r.stdout, \
+        r.describe()
+
+
+def test_consistency_tie_blames_the_same_process_everywhere():
+    """Before, a 1-1 tie was broken by set order, so members could blame different processes."""
+    from jaxft.transfer import disagreeing
+
+    assert disagreeing([0, 1], [b"a", b"b"]) == [1]
+    assert disagreeing([0, 1], [b"b", b"a"]) == [1]  # whatever the keys' order: the lowest id's key wins a tie
+    assert disagreeing([3, 1, 2, 0], [b"x", b"y", b"x", b"y"]) == [2, 3]
+    assert disagreeing([0, 1, 2], [b"a", b"b", b"b"]) == [0]  # a real majority still wins
+
+
+def test_a_second_run_in_the_same_job_is_not_cut_short(tmp_path):
+    """Before, the first run's finished flag made a process waiting > 0.5 s at a barrier of the
+    second run exit 0, as if the job were over."""
+    r = launch(2, [PYTHON, "tests/workers/two_runs.py"], run_dir=tmp_path, timeout=120)
+    assert r.returncode == 0, r.describe()
+    finals = by_event(events(tmp_path), "final")
+    assert sorted((f["process"], f["step"]) for f in finals) == [(0, 4), (0, 8), (1, 4), (1, 8)], finals
+
+
+def test_min_members_waits_instead_of_training_alone(tmp_path):
+    r = launch(2, [PYTHON, "tests/workers/two_runs.py", "--min_members", "2", "--steps", "12"],
+               "--restart", "on-failure", "--restart-delay", "10", "--fault", "kill:process=1:step=4",
+               run_dir=tmp_path, timeout=180)  # process 1 is away >= 10 s: process 0 sees itself alone
+    assert r.returncode == 0, r.describe()
+    ev = events(tmp_path)
+    assert {tuple(e["members"]) for e in by_event(ev, "commit")} == {(0, 1)}, "a step committed with one member"
+    assert by_event(ev, "step_waiting", process=0), "process 0 should have waited for process 1"
+    finals = by_event(ev, "final")
+    assert len({f["params_sha256"] for f in finals}) == 1 and {f["step"] for f in finals} == {12}
