@@ -7,6 +7,12 @@ A fault spec is ``ACTION:key=value:...``:
 * ``kill:process=1:step=5:phase=before-step`` -- choose the phase; see :data:`PHASES`.
 * ``kill-all:step=13`` -- every worker that reaches step 13 at that phase dies.
 * ``stop:process=2:step=7`` -- SIGSTOP: the worker stays alive but hangs.
+* ``hang:process=2:step=7[:for=30s]`` -- the worker sleeps (alive, running, not stopped)
+  at that point, for ``for`` seconds or until killed: a stuck read or a deadlock.
+* phases ``during-rehydrate`` (the members agreed who is behind and who donates; the state
+  has not moved yet: fires in the donor, the joiners and bystanders, with the step the
+  process holds) and ``during-restore`` (a cold restore read the checkpoint, nothing
+  adopted yet; ``step`` is the checkpoint's).
 * ``kill:process=0:after=4.5s`` -- launcher side: SIGKILL worker 0 4.5 s after launch.
 
 Every rule fires once per run, also across restarts: a marker file per (rule, process)
@@ -19,13 +25,14 @@ import dataclasses
 import os
 import signal
 import sys
+import time
 from typing import Callable, Sequence
 
 from jaxft import envvars
 from jaxft.errors import FaultSpecError
 
-ACTIONS = ("kill", "kill-all", "stop")
-PHASES = ("before-step", "after-grad", "after-commit", "during-save")
+ACTIONS = ("kill", "kill-all", "stop", "hang")
+PHASES = ("before-step", "after-grad", "after-commit", "during-save", "during-rehydrate", "during-restore")
 DEFAULT_PHASE = "after-grad"
 
 
@@ -38,6 +45,7 @@ class FaultRule:
     step: int | None = None
     phase: str = DEFAULT_PHASE
     after: float | None = None
+    duration: float | None = None  # hang: seconds to sleep (None: until killed)
     index: int = 0  # position in the rule list; part of the rule's identity
 
     @property
@@ -53,6 +61,8 @@ class FaultRule:
             parts += [f"step={self.step}", f"phase={self.phase}"]
         if self.after is not None:
             parts.append(f"after={self.after:g}s")
+        if self.duration is not None:
+            parts.append(f"for={self.duration:g}s")
         return ":".join(parts)
 
     def marker(self, process: int) -> str:
@@ -80,8 +90,10 @@ def parse_rule(text: str, index: int = 0) -> FaultRule:
                 fields["phase"] = value
             elif key == "after":
                 fields["after"] = float(value.removesuffix("s"))
+            elif key == "for":
+                fields["duration"] = float(value.removesuffix("s"))
             else:
-                raise FaultSpecError(f"fault {text!r}: unknown key {key!r} (process, step, phase, after)")
+                raise FaultSpecError(f"fault {text!r}: unknown key {key!r} (process, step, phase, after, for)")
         except ValueError as e:
             if isinstance(e, FaultSpecError):
                 raise
@@ -96,8 +108,10 @@ def parse_rule(text: str, index: int = 0) -> FaultRule:
             raise FaultSpecError(f"fault {text!r}: kill-all takes no process")
     elif rule.process is None:
         raise FaultSpecError(f"fault {text!r}: {action} needs process=N")
-    if rule.launcher_side and action == "kill-all":
-        raise FaultSpecError(f"fault {text!r}: kill-all is step-triggered only")
+    if rule.launcher_side and action in ("kill-all", "hang"):
+        raise FaultSpecError(f"fault {text!r}: {action} is step-triggered only")
+    if rule.duration is not None and (action != "hang" or rule.duration < 0):
+        raise FaultSpecError(f"fault {text!r}: for= takes a non-negative duration, and only with hang")
     return rule
 
 
@@ -121,6 +135,12 @@ def claim(state_dir: str | None, rule: FaultRule, process: int) -> bool:
         return False
     os.close(fd)
     return True
+
+
+def _hang(duration: float | None) -> None:
+    deadline = None if duration is None else time.monotonic() + duration
+    while deadline is None or time.monotonic() < deadline:
+        time.sleep(0.5 if deadline is None else min(0.5, max(0.0, deadline - time.monotonic())))
 
 
 class FaultInjector:
@@ -149,5 +169,8 @@ class FaultInjector:
                     self.on_fire(rule, step)
                 sys.stdout.flush()
                 sys.stderr.flush()
+                if rule.action == "hang":  # alive but stuck: a slow filesystem, a deadlock, a stuck read
+                    _hang(rule.duration)
+                    continue
                 sig = signal.SIGSTOP if rule.action == "stop" else signal.SIGKILL
                 os.kill(os.getpid(), sig)

@@ -29,6 +29,7 @@ from typing import Iterator, Sequence, TextIO
 from jaxft import envvars
 from jaxft.coordinator import Coordinator, wait_reachable
 from jaxft.errors import EXIT_CONFIG_ERROR, LaunchError, TimeoutsError
+from jaxft.hang import EXIT_HUNG
 from jaxft.events import EventLog
 from jaxft.faults import FaultRule, parse_rules
 from jaxft.timeouts import Timeouts
@@ -37,6 +38,8 @@ from jaxft.timeouts import Timeouts
 # path); all: on any failure, kill every worker and restart all of them (what
 # restart-from-checkpoint launchers do; the baseline of the chaos benchmark).
 RESTART_POLICIES = ("never", "on-failure", "all")
+EXIT_REASONS = {EXIT_CONFIG_ERROR: "configuration error", EXIT_HUNG: "hung: it stopped itself, stack in its output",
+                75: "gave up waiting at a barrier (Timeouts.barrier)"}
 
 
 @dataclasses.dataclass
@@ -283,6 +286,7 @@ class Launcher:
             pass
 
     def _record_exit(self, worker: _Worker, code: int, reason: str | None = None) -> None:
+        reason = reason or EXIT_REASONS.get(code)
         fields = {"code": code} if code >= 0 else {"signal": signal.Signals(-code).name}
         if reason:
             fields["reason"] = reason
@@ -393,6 +397,8 @@ class Launcher:
                     w.reader.join(timeout=2)
                 self._record_exit(w, code, reason)
                 w.returncode = code
+                if code == EXIT_HUNG:
+                    self.events.log("hung", process=w.process_id, incarnation=w.incarnation, source="launcher")
                 if code == EXIT_CONFIG_ERROR:
                     w.done = True  # a configuration error is not a fault: restarting repeats it
                     self.say(f"process {w.process_id} stopped on a configuration error; not restarting it")

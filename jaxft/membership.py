@@ -35,6 +35,7 @@ from jax.sharding import Mesh
 from jaxft import _compat, kv
 from jaxft import timeouts as timeouts_lib
 from jaxft.errors import StepFailed
+from jaxft.hang import WAIT_NOTICE_S, HangMonitor
 from jaxft.rejoin import is_new
 from jaxft.timeouts import Timeouts
 
@@ -59,6 +60,7 @@ class Members:
     reset: bool  # the data plane was rebuilt at the start of this step
     gained: bool  # a member (maybe this process) is new since the last committed step:
     # joiners may need state. Every member computes the same value.
+    mesh_is_new: bool = False  # first step on this device set: the step function compiles
 
     @property
     def size(self) -> int:
@@ -105,6 +107,7 @@ class ElasticGroup:
         self._pre_reset: list[Callable[[], None]] = []
         self._post_reset: list[Callable[[], None]] = []
         self._watchdog: _Watchdog | None = None
+        self.hang = HangMonitor(self.process_id, self.timeouts, poll_s=poll_s)
 
     # -- hooks ------------------------------------------------------------------------
     def on_reset(self, before: Callable[[], None] | None = None,
@@ -115,6 +118,11 @@ class ElasticGroup:
             self._pre_reset.append(before)
         if after is not None:
             self._post_reset.append(after)
+
+    def busy(self):
+        """Context manager: legitimately long work between steps, exempt from the step deadline
+        (e.g. an evaluation that only some processes run while the others wait)."""
+        return self.hang.busy()
 
     @property
     def needs_data_plane_reset(self) -> bool:
@@ -145,7 +153,10 @@ class ElasticGroup:
             with self._watch("entering a step"):
                 devices = cm.__enter__()
             try:
+                self.hang.step_started()
                 members = self._enter(devices)
+                if members.reset or members.gained or members.mesh_is_new:
+                    self.hang.long_step()  # a compile or a rejoin: bounded by Timeouts.setup
                 yield members
             except BaseException as e:
                 with self._watch("leaving a failed step"):
@@ -158,11 +169,13 @@ class ElasticGroup:
         except multihost_utils.ProcessFailureError as e:
             raise StepFailed({d.process_index for d in e.failed_devices}, e.__cause__) from e
         finally:
+            self.hang.phase("between steps")
             _compat.rekey_live_devices(jax.devices())
 
     # -- bounded waiting --------------------------------------------------------------
     def finish(self, step: int | None = None) -> None:
         """Tell late joiners the run is over (at ``step``), so none waits for peers that are gone."""
+        self.hang.finished()
         kv.mark_finished(step)
 
     def run_finished(self) -> bool:
@@ -181,11 +194,13 @@ class ElasticGroup:
         """Arm the watchdog for the duration of one barrier."""
         if self._watchdog is None:
             self._watchdog = _Watchdog(self)
+        self.hang.phase("at a barrier")
         self._watchdog.arm(what)
         try:
             yield
         finally:
-            self._watchdog.disarm()
+            if self._watchdog.disarm():
+                self.hang.done_waiting()
 
     def _enter(self, devices: Sequence[jax.Device]) -> Members:
         live_map = _compat.live_device_map()
@@ -204,10 +219,11 @@ class ElasticGroup:
             self._synced = dict(current)
         self._previous = dict(current)
         devices = tuple(sorted(devices, key=lambda d: d.id))
+        mesh_is_new = tuple(d.id for d in devices) not in self._meshes
         return Members(devices=devices, mesh=self.mesh(devices),
                        process_ids=tuple(sorted(current)), incarnations=current,
                        generation=self.generation, joined=joined, left=left, reset=reset,
-                       gained=gained)
+                       gained=gained, mesh_is_new=mesh_is_new)
 
     def _reset_data_plane(self, current: Mapping[int, int]) -> None:
         """Agree, clear stale rendezvous keys, barrier, rebuild the CPU backend."""
@@ -242,16 +258,21 @@ class _Watchdog:
         self.group = group
         self._cond = threading.Condition()
         self._armed: tuple[str, float] | None = None
+        self._published = False  # this wait was published (jaxft.hang) and must be cleared
         threading.Thread(target=self._run, daemon=True, name="jaxft-watchdog").start()
 
     def arm(self, what: str) -> None:
         with self._cond:
             self._armed = (what, time.monotonic())
+            self._published = False
             self._cond.notify()
 
-    def disarm(self) -> None:
+    def disarm(self) -> bool:
+        """Stop watching; True if this wait was long enough to be published (see jaxft.hang)."""
         with self._cond:
             self._armed = None
+            published, self._published = self._published, False
+            return published
 
     def _run(self) -> None:
         g = self.group
@@ -264,6 +285,12 @@ class _Watchdog:
                 if self._armed is not armed:
                     continue  # disarmed (or re-armed) in time
             what, t0 = armed
+            if not self._published and time.monotonic() - t0 > WAIT_NOTICE_S:
+                g.hang.waiting(what)  # a member may be hung: let it know we wait for it
+                with self._cond:
+                    self._published = self._armed is armed
+                    if not self._published:
+                        g.hang.done_waiting()
             if g.run_finished():
                 _hard_exit(0, f"jaxft: peers finished the run while process {g.process_id} was {what}; "
                               "exiting 0")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -54,17 +54,21 @@ def agree_steps(step: int, generation: int, members) -> tuple[dict[int, int], in
     return {p: int(r[0]) for p, r in zip(procs, rows)}, int(rows[:, 1].max())
 
 
-def rehydrate(step: int, state: PyTree, members, me: int, steps: Mapping[int, int]
-              ) -> tuple[int, PyTree, Rehydration | None]:
+def rehydrate(step: int, state: PyTree, members, me: int, steps: Mapping[int, int],
+              on_start: Callable[[], None] | None = None) -> tuple[int, PyTree, Rehydration | None]:
     """Bring every member to the donor's ``(step, state)``; a collective over ``members``.
 
     ``steps`` is :func:`agree_steps`'s map. Returns this process's new step and state, and
     a :class:`Rehydration` if this process was behind (None for the donor and bystanders
-    already up to date). With every member at the same step nothing moves.
+    already up to date). With every member at the same step nothing moves. ``on_start``
+    runs once the transfer is decided, before any byte moves (the ``during-rehydrate``
+    fault point).
     """
     latest = max(steps.values())
     if all(s == latest for s in steps.values()):
         return step, state, None
+    if on_start is not None:
+        on_start()
     source = donor(steps)
     t0 = time.perf_counter()
     payload = {"step": np.int64(step), "state": state}

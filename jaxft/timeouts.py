@@ -27,6 +27,9 @@ class Timeouts:
       initialization: connecting to the coordination service.
       barrier: the watchdog bound of a membership barrier (entering or leaving a step);
         a process that waits longer exits rather than hang.
+      step: the floor of the step deadline: a member stuck this long (and at least 10x
+        the recent median step) while others wait for it is hung (see jaxft.hang).
+      setup: the step deadline during set-up, a compile for a new mesh, a rejoin.
       reset: the barrier of the CPU data-plane rebuild when the live set gains members.
       save_barrier: each blocking Orbax barrier of a save, and how long a save waits for
         a member that never reached any of its barriers.
@@ -41,6 +44,8 @@ class Timeouts:
     collective: float = 5.0
     initialization: float = 60.0
     barrier: float = 600.0
+    step: float = 60.0
+    setup: float = 600.0
     reset: float = 60.0
     save_barrier: float = 60.0
     save: float = 600.0

@@ -11,6 +11,7 @@ the lowest-numbered member holding the latest step.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Callable
 
@@ -27,6 +28,8 @@ from jaxft.events import EventLog
 from jaxft.faults import FaultInjector
 from jaxft.membership import ElasticGroup, Members
 from jaxft.types import PyTree
+
+logger = logging.getLogger(__name__)
 
 LossFn = Callable[[PyTree, PyTree], jax.Array]  # (params, batch[B, ...]) -> per-example loss [B]
 
@@ -196,15 +199,26 @@ class ElasticTrainer:
         s = self.state
         steps, self.group.generation = rejoin.agree_steps(s.step, self.group.generation, m)
         step, tree, info = rejoin.rehydrate(s.step, {"params": s.params, "opt_state": s.opt_state}, m,
-                                            self.group.process_id, steps)
+                                            self.group.process_id, steps,
+                                            on_start=lambda: self.faults.point("during-rehydrate", s.step))
         if info is None and step == s.step:
             return s, info
         return TrainState(step, tree["params"], tree["opt_state"]), info
 
     # -- the loop -----------------------------------------------------------------------
     def run(self, num_steps: int) -> TrainState:
-        """Train until ``num_steps`` steps are committed; returns the final state."""
+        """Train until ``num_steps`` steps are committed; returns the final state.
+
+        A process that starts (or restarts) after its peers finished this run exits 0
+        (``SystemExit``) instead of training the run again on its own.
+        """
         self.group.target = num_steps
+        if self.group.run_finished():  # restarted after the others finished: never train on alone
+            self.events.log("run_already_finished", step=self.state.step, target=num_steps)
+            logger.info("process %d: the others already finished this run; exiting 0", self.group.process_id)
+            raise SystemExit(0)
+        self.group.hang.finished(False)
+        self.group.hang.on_hung = lambda info: self.events.log("hung", step=self.state.step, **info)
         failures, waiting_since = 0, None
         while self.state.step < num_steps:
             step = self.state.step

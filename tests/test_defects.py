@@ -106,3 +106,15 @@ def test_min_members_waits_instead_of_training_alone(tmp_path):
     assert by_event(ev, "step_waiting", process=0), "process 0 should have waited for process 1"
     finals = by_event(ev, "final")
     assert len({f["params_sha256"] for f in finals}) == 1 and {f["step"] for f in finals} == {12}
+
+
+def test_a_process_back_after_the_run_finished_does_not_train_alone(tmp_path):
+    """Before, a worker restarted after its peers had finished found itself the only member
+    and trained the whole run again on its own, from step 0."""
+    r = launch(2, [PYTHON, MLP, "--steps", "6", "--hidden", "8"], "--restart", "on-failure",
+               "--restart-delay", "8", "--fault", "kill:process=1:step=2", run_dir=tmp_path, timeout=120)
+    assert r.returncode == 0, r.describe()
+    ev = events(tmp_path)
+    assert by_event(ev, "launch", process=1, incarnation=1), "process 1 came back"
+    assert not by_event(ev, "commit", process=1, incarnation=1), "it committed steps alone after the run ended"
+    assert by_event(ev, "run_already_finished", process=1, incarnation=1)

@@ -252,3 +252,17 @@ def test_stop_hangs_the_worker_at_its_step(tmp_path):
     assert again.returncode == 0, again.describe()
     assert "fire" not in again.stdout
     assert _passed(again.stdout) == _all_points(5)
+
+
+def test_hang_and_new_phases_parse():
+    from jaxft.faults import parse_rule
+
+    r = parse_rule("hang:process=2:step=7:for=30s")
+    assert (r.action, r.process, r.step, r.duration, r.spec) == ("hang", 2, 7, 30.0, "hang:process=2:step=7:phase=after-grad:for=30s")
+    assert parse_rule("kill:process=1:step=3:phase=during-rehydrate").phase == "during-rehydrate"
+    assert parse_rule("kill:process=1:step=10:phase=during-restore").phase == "during-restore"
+    for bad, needle in [("hang:process=1:after=3s", "hang is step-triggered only"),
+                        ("kill:process=1:step=3:for=2s", "only with hang"),
+                        ("hang:process=1:step=3:for=-1s", "non-negative")]:
+        with pytest.raises(FaultSpecError, match=needle):
+            parse_rule(bad)

@@ -91,6 +91,8 @@ class ElasticCheckpointer:
         s = trainer.state
         restored = self.store.restore_latest({"params": s.params, "opt_state": s.opt_state})
         if restored is not None:
+            if self.faults is not None:
+                self.faults.point("during-restore", restored.step)
             trainer.restore(TrainState(restored.step, restored.tree["params"], restored.tree["opt_state"]))
             saved_data = dict((restored.metadata.get("user") or {}).get("data") or {})
             saved_data.pop("position", None)

@@ -1,0 +1,172 @@
+"""Hung-but-alive workers: a step deadline, enforced by the hung process on itself.
+
+A worker that is alive but stuck (a deadlock, a stuck read, a host callback that never
+returns) keeps its heartbeats going, so the coordination service never declares it dead
+and every other member waits for it at the next barrier. jaxft bounds that wait:
+
+* A member that has waited at a step barrier for more than :data:`WAIT_NOTICE_S`
+  publishes it (one key-value write per long wait, none in steady state).
+* Each process tracks what its main thread is doing (set-up, inside a step, between
+  steps) and since when. When that has lasted longer than its deadline *and* another
+  member is waiting for it, it is hung: a thread of its own dumps every thread's Python
+  stack (``faulthandler``) into its log, logs a ``hung`` event, and ends the process with
+  :data:`EXIT_HUNG`. Its launcher restarts it by policy; the others see it gone and go on
+  without it, then it rejoins.
+* The deadline is ``max(Timeouts.step, STEP_FACTOR x the recent median step time)``; the
+  set-up before the first step, a step that compiles for a new mesh and a step that
+  rehydrates use ``Timeouts.setup`` instead, so a long first compile or a checkpoint
+  restore is never taken for a hang. :meth:`HangMonitor.busy` exempts legitimately long
+  work between steps (an evaluation only process 0 runs, say).
+
+A process stuck in native code that holds the GIL cannot run this thread; the others'
+barrier watchdog (``Timeouts.barrier``) remains the bound there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import os
+import statistics
+import sys
+import threading
+import time
+from typing import Callable, Iterator
+
+from jaxft import kv
+from jaxft.timeouts import Timeouts
+
+logger = logging.getLogger(__name__)
+
+EXIT_HUNG = 76  # a worker that found itself hung exits with this; the launcher says so
+WAIT_NOTICE_S = 1.0  # a barrier wait longer than this is published
+STEP_FACTOR = 10.0
+WAITING_PREFIX = "jaxft/waiting/"
+
+
+class HangMonitor:
+    """Tracks this process's phase; ends the process when it is hung (see the module docstring).
+
+    Args:
+      process_id: this process.
+      timeouts: ``step`` (floor of the deadline) and ``setup`` (set-up, compiles, rejoins).
+      on_hung: called with a description before the process exits (logs the ``hung`` event).
+      poll_s: how often the monitor thread looks.
+    """
+
+    def __init__(self, process_id: int, timeouts: Timeouts, on_hung: Callable[[dict], None] | None = None,
+                 poll_s: float = 0.5):
+        self.process_id = process_id
+        self.timeouts = timeouts
+        self.on_hung = on_hung
+        self.poll_s = poll_s
+        self._lock = threading.Lock()
+        self._phase, self._since, self._long = "setting up", time.monotonic(), True
+        self._step_starts: list[float] = []
+        self._busy = 0
+        self._finished = False
+        self._waiting_key: str | None = None
+        threading.Thread(target=self._run, name="jaxft-hang-monitor", daemon=True).start()
+
+    # -- what the main thread is doing ----------------------------------------------------
+    def phase(self, what: str, long: bool = False) -> None:
+        """The main thread now does ``what``; ``long``: bounded by ``Timeouts.setup``."""
+        with self._lock:
+            self._phase, self._since, self._long = what, time.monotonic(), long
+
+    def step_started(self) -> None:
+        """A step's body begins (its start times give the median step time)."""
+        now = time.monotonic()
+        with self._lock:
+            self._step_starts = (self._step_starts + [now])[-21:]
+            self._phase, self._since, self._long = "in a step", now, self._long and self._phase == "in a step"
+
+    def long_step(self) -> None:
+        """This step compiles or rehydrates: bound it by ``Timeouts.setup``."""
+        with self._lock:
+            self._long = True
+
+    def finished(self, value: bool = True) -> None:
+        """The run is over (nobody will wait for this process any more), or a new one starts."""
+        with self._lock:
+            self._finished = value
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Exempt legitimately long work between steps from the deadline."""
+        with self._lock:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy -= 1
+
+    def deadline(self) -> float:
+        with self._lock:
+            starts, long = list(self._step_starts), self._long
+        if long or len(starts) < 3:
+            return self.timeouts.setup
+        median = statistics.median(b - a for a, b in zip(starts, starts[1:]))
+        return max(self.timeouts.step, STEP_FACTOR * median)
+
+    # -- waiting at a barrier -----------------------------------------------------------------
+    def waiting(self, what: str) -> None:
+        """Publish that this process has been waiting at a barrier for a while."""
+        key = f"{WAITING_PREFIX}{self.process_id}"
+        try:
+            kv.client().key_value_set(key, what, allow_overwrite=True)
+            self._waiting_key = key
+        except Exception as e:  # noqa: BLE001 - best effort: the others keep their own bounds
+            logger.debug("cannot publish the wait: %s", e)
+
+    def done_waiting(self) -> None:
+        if self._waiting_key is not None:
+            key, self._waiting_key = self._waiting_key, None
+            try:
+                kv.client().key_value_delete(key)
+            except Exception as e:  # noqa: BLE001
+                logger.debug("cannot clear the wait: %s", e)
+
+    def _others_waiting(self) -> list[str]:
+        try:
+            entries = kv.client().key_value_dir_get(WAITING_PREFIX)
+        except Exception:  # noqa: BLE001 - NOT_FOUND or an unreachable service: nobody we know of
+            return []
+        mine = f"{WAITING_PREFIX}{self.process_id}"
+        return [f"process {k.rsplit('/', 1)[-1]} ({v})" for k, v in entries if k.rstrip("/") != mine]
+
+    # -- the monitor thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.poll_s)
+            with self._lock:
+                phase, since, busy, finished = self._phase, self._since, self._busy, self._finished
+            if busy or finished or phase == "at a barrier":
+                continue
+            elapsed = time.monotonic() - since
+            deadline = self.deadline()
+            if elapsed <= deadline:
+                continue
+            waiters = self._others_waiting()
+            if waiters:
+                self._die(phase, elapsed, deadline, waiters)
+
+    def _die(self, phase: str, elapsed: float, deadline: float, waiters: list[str]) -> None:
+        info = {"phase": phase, "stuck_s": round(elapsed, 2), "deadline_s": round(deadline, 2),
+                "waiting": waiters[:8]}
+        message = (f"jaxft: process {self.process_id} is hung: {phase} for {elapsed:.1f} s (deadline "
+                   f"{deadline:.1f} s, Timeouts.step/Timeouts.setup) while {', '.join(waiters[:4])} wait for it; "
+                   "its Python stacks follow, then it exits so that the others go on")
+        logger.error(message)
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        try:
+            if self.on_hung is not None:
+                self.on_hung(info)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_HUNG)

@@ -1,0 +1,44 @@
+"""A worker that is alive but stuck (it sleeps; heartbeats go on) must not hold the others:
+past its step deadline, while they wait for it, it dumps its Python stack and exits, its
+launcher restarts it, the others go on without it, and it rejoins. Real processes."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from helpers import MLP, PYTHON, by_event, commits_by_step, events, finals, launch
+
+FIGURES = Path(os.environ.get("JAXFT_TEST_FIGURES_HANG", "/tmp/jaxft-hang-figures.json"))
+
+
+@pytest.mark.parametrize("phase", ["before-step", "after-grad"])
+def test_hung_worker_is_stopped_and_the_others_go_on(tmp_path, phase):
+    # --restart-delay: the stuck process comes back only after the others went on without it.
+    r = launch(4, [PYTHON, MLP, "--steps", "40", "--step_sleep", "0.3", "--hidden", "16"],
+               "--restart", "on-failure", "--restart-delay", "6", "--heartbeat-timeout", "3", "--timeout", "step=4",
+               "--fault", f"hang:process=2:step=8:phase={phase}", run_dir=tmp_path, timeout=240)
+    assert r.returncode == 0, r.describe()
+    ev = events(tmp_path)
+    (hung,) = [e for e in by_event(ev, "hung", process=2, incarnation=0) if e.get("source") != "launcher"]
+    assert by_event(ev, "hung", process=2, incarnation=0, source="launcher")
+    assert hung["phase"] == ("between steps" if phase == "before-step" else "in a step"), hung
+    assert hung["waiting"], hung  # it stopped itself because others waited for it
+    assert by_event(ev, "exit", process=2, incarnation=0, code=76), "the launcher saw the hung exit"
+    # Its stack, dumped by faulthandler, is in its output, down to the frame that hung.
+    assert "jaxft: process 2 is hung" in r.stdout and "in _hang" in r.stdout, r.stdout[-3000:]
+    (fault,) = by_event(ev, "fault", process=2)
+    later = sorted(e["time"] for e in by_event(ev, "commit") if e["time"] > fault["time"] and 2 not in e["members"])
+    assert later, "the others committed no step without the hung process"
+    by_step = commits_by_step(ev)
+    assert sorted(by_step) == list(range(40))
+    for step, commits in by_step.items():
+        assert len({tuple(c["members"]) for c in commits}) == 1, (step, commits)
+    f = finals(ev)
+    assert len(f) == 4 and len({x["params_sha256"] for x in f}) == 1, f
+    assert by_event(ev, "rehydrated", process=2), "the restarted process rejoined"
+    data = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
+    data[phase] = {"hang_to_next_commit_s": round(later[0] - fault["time"], 2), "stuck_s": hung["stuck_s"],
+                   "deadline_s": hung["deadline_s"]}
+    FIGURES.write_text(json.dumps(data, indent=2))
