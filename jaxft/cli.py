@@ -73,8 +73,15 @@ def _add_coordinator(sub) -> None:
     p.add_argument("--heartbeat-timeout", type=int, default=DEFAULT_HEARTBEAT_TIMEOUT)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported in one line (no usage block) and exit 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxft", description="Fault-tolerant multi-controller JAX.")
+    parser = _Parser(prog="jaxft", description="Fault-tolerant multi-controller JAX.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_launch(sub)
     _add_coordinator(sub)
@@ -94,14 +101,14 @@ def _launch(args, parser) -> int:
     if gpus in ("auto", "all"):
         found = detect_gpus()
         if gpus == "all" and not found:
-            parser.error("--gpus all: no NVIDIA GPU found (nvidia-smi -L lists none)")
+            raise LaunchError("--gpus all: no NVIDIA GPU found (nvidia-smi -L lists none)")
         gpus = found or None
     elif gpus == "none":
         gpus = None
     n = args.num_processes
     if n is None:
         if gpus is None:
-            parser.error("-n is required on a machine without GPUs")
+            raise LaunchError("-n is required on a machine without GPUs")
         n = len(gpus)
     elif gpus is not None and n > len(gpus):
         raise LaunchError(f"-n {n} workers but this node has {len(gpus)} GPU(s) ({','.join(map(str, gpus))}): "

@@ -83,7 +83,10 @@ class Coordinator:
             raise CoordinatorError(f"--num-processes must be >= 1, got {num_processes}")
         if heartbeat_timeout < 1:
             raise CoordinatorError(f"heartbeat timeout must be >= 1 s, got {heartbeat_timeout}")
-        self.port = port or free_port(bind.strip("[]"))
+        try:
+            self.port = port or free_port(bind.strip("[]"))
+        except OSError as e:
+            raise CoordinatorError(f"cannot bind {bind}: {e.strerror or e}") from None
         check_port_free(bind, self.port)
         self.bind = bind
         self.num_processes = num_processes

@@ -181,6 +181,9 @@ def initialize(coordinator_address: str | None = None,
 
         _LOCAL_COORDINATOR = Coordinator(1, heartbeat_timeout=heartbeat_timeout)
         coordinator_address = _LOCAL_COORDINATOR.address
+    host, _, port = coordinator_address.rpartition(":")
+    if not host or not port.isdigit():
+        raise InitializeError(f"coordinator address {coordinator_address!r} is not host:port")
     if num_processes < 1:
         raise InitializeError(f"num_processes must be >= 1, got {num_processes}")
     if not 0 <= process_id < num_processes:
