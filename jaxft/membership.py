@@ -103,6 +103,11 @@ class ElasticGroup:
         self._synced: dict[int, int] | None = None  # member map the data plane was built for
         self._agreed: dict[int, int] | None = None  # member map of the last committed step
         self._reset_attempts: dict[str, int] = {}
+        # Device lists whose CPU communicators saw a failed step since the last rebuild: gloo
+        # keeps them cached per device list, and an aborted all-reduce can leave a partial
+        # message on a pair, which the next collective on the same list would read as its own
+        # ("Received data size doesn't match expected size", SIGABRT). Rebuild before reuse.
+        self._tainted: set[tuple[int, ...]] = set()
         self._meshes: dict[tuple[int, ...], Mesh] = {}
         self._pre_reset: list[Callable[[], None]] = []
         self._post_reset: list[Callable[[], None]] = []
@@ -149,6 +154,7 @@ class ElasticGroup:
         rather than hang forever (``live_devices`` has no timeout of its own).
         """
         cm = multihost_utils.live_devices(jax.devices())
+        members: Members | None = None
         try:
             with self._watch("entering a step"):
                 devices = cm.__enter__()
@@ -167,6 +173,8 @@ class ElasticGroup:
                     cm.__exit__(None, None, None)
                 self._agreed = dict(members.incarnations)
         except multihost_utils.ProcessFailureError as e:
+            if members is not None:  # collectives may have run on these devices' communicators
+                self._tainted.add(tuple(d.id for d in members.devices))
             raise StepFailed({d.process_index for d in e.failed_devices}, e.__cause__) from e
         finally:
             self.hang.phase("between steps")
@@ -211,7 +219,8 @@ class ElasticGroup:
         if previous != current:
             self.generation += 1
         gained = is_new(self._agreed, current)
-        reset = self.needs_data_plane_reset and is_new(self._synced, current)
+        key = tuple(sorted(d.id for d in devices))
+        reset = self.needs_data_plane_reset and (is_new(self._synced, current) or key in self._tainted)
         if reset:
             self._reset_data_plane(current)
             devices = [d for d in jax.devices() if d.process_index in current]
@@ -239,6 +248,7 @@ class ElasticGroup:
         for hook in self._pre_reset:
             hook()
         self._meshes.clear()
+        self._tainted.clear()
         jax_backend.clear_backends()
         jax.devices()  # rebuild now, inside the step
         for hook in self._post_reset:
