@@ -223,6 +223,7 @@ class Launcher:
         self._local = {w.process_id: w for w in self.workers}
         self.events = EventLog(config.run_dir, "launcher", 0)
         self.exits: list[dict] = []
+        self._lost_since: float | None = None  # when the external coordinator stopped answering
 
     # -- output -------------------------------------------------------------------------
     def say(self, text: str) -> None:
@@ -359,6 +360,8 @@ class Launcher:
                 self.events.log("interrupted", signal=name, source="launcher")
                 return 128 + self._stop_signal
             now = time.time()
+            if not self._coordinator_back(now):
+                return 1
             for rule in list(timed):
                 if now - t0 >= rule.after:
                     timed.remove(rule)
@@ -373,7 +376,7 @@ class Launcher:
                         self._signal_group(w, sig)
             for w in self.workers:
                 if w.restart_at is not None:
-                    if now >= w.restart_at:
+                    if now >= w.restart_at and self._lost_since is None:
                         w.restart_at = None
                         self._start(w, address, fault_dir)
                     continue
@@ -412,8 +415,32 @@ class Launcher:
                 return 0 if all(w.returncode == 0 for w in self.workers) else 1
             time.sleep(0.05)
 
+    def _coordinator_back(self, now: float) -> bool:
+        """While the external coordinator is lost, hold restarts until it answers again, for
+        at most ``Timeouts.initialization``; False when that bound ran out."""
+        if self._lost_since is None:
+            return True
+        if wait_reachable(self.config.coordinator, 0.2) is None:
+            self.say(f"coordinator at {self.config.coordinator} is back after {now - self._lost_since:.1f} s; "
+                     "restarting the workers (they restore the latest checkpoint)")
+            self.events.log("coordinator_back", after_s=round(now - self._lost_since, 3), source="launcher")
+            self._lost_since = None
+            return True
+        if now - self._lost_since > self.timeouts.initialization:
+            self.say(f"lost the coordinator at {self.config.coordinator}: no answer for "
+                     f"{self.timeouts.describe('initialization')}; giving up")
+            self.events.log("coordinator_gone", waited_s=round(now - self._lost_since, 3), source="launcher")
+            return False
+        return True
+
     def _schedule_restart(self, w: _Worker, now: float) -> None:
         c = self.config
+        if c.coordinator and not c.host_coordinator and self._lost_since is None \
+                and wait_reachable(c.coordinator, 0.5) is not None:
+            self._lost_since = now  # every worker dies with it: restart them once it is back
+            self.say(f"the coordinator at {c.coordinator} does not answer; holding restarts until it does "
+                     f"(at most {self.timeouts.describe('initialization')})")
+            self.events.log("coordinator_lost", coordinator=c.coordinator, source="launcher")
         w.restarts += 1
         w.done = False
         self.events.log("restart", process=w.process_id, incarnation=w.incarnation + 1,
