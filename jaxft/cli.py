@@ -47,6 +47,13 @@ def _add_launch(sub) -> None:
     p.add_argument("--gpus", type=_gpus, default="none",
                    help="auto|all (one process per local GPU), none (CPU), or ids like 0,1,2")
     p.add_argument("--grace", type=float, default=5.0, help="SIGTERM -> SIGKILL bound at shutdown, seconds")
+    p.add_argument("--console", choices=("progress", "raw"), default="progress",
+                   help="progress (default): worker output to RUN_DIR/logs/, a progress line, one line per "
+                        "incident and a summary (a temporary run dir when --run-dir is not given); "
+                        "raw: every worker line on the console, prefixed with its process id")
+    p.add_argument("--verbose", "-v", action="store_true", help="same as --console raw")
+    p.add_argument("--progress-every", type=float, default=10.0,
+                   help="seconds between progress lines when stdout is not a terminal (default 10)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command")
 
 
@@ -95,7 +102,8 @@ def _launch(args, parser) -> int:
                           heartbeat_timeout=args.heartbeat_timeout,
                           collective_timeout=args.collective_timeout, port=args.port, bind=args.bind,
                           gpus=gpus, grace_s=args.grace,
-                          restart_delay_s=args.restart_delay, timeouts=args.timeout)
+                          restart_delay_s=args.restart_delay, timeouts=args.timeout,
+                          console="raw" if args.verbose else args.console, progress_every=args.progress_every)
     return Launcher(config).run()
 
 

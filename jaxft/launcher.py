@@ -23,6 +23,7 @@ import time
 from typing import Sequence, TextIO
 
 from jaxft import envvars
+from jaxft.console import CONSOLE_MODES, Console
 from jaxft.coordinator import Coordinator
 from jaxft.errors import LaunchError, TimeoutsError
 from jaxft.events import EventLog
@@ -55,6 +56,8 @@ class LaunchConfig:
     hung_after_s: float | None = None  # a SIGSTOPped worker counts as dead after this
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
     timeouts: Sequence[str] = ()  # NAME=SECONDS settings of jaxft.Timeouts (--timeout)
+    console: str = "raw"  # progress: logs per process + progress line (the CLI's default); raw: prefixed stream
+    progress_every: float = 10.0  # seconds between plain progress lines when stdout is not a terminal
 
     def resolved_timeouts(self) -> Timeouts:
         """The workers' :class:`~jaxft.Timeouts`: ``--timeout`` settings, then the two shortcuts."""
@@ -84,6 +87,8 @@ class LaunchConfig:
             raise LaunchError(f"{len(self.gpus)} GPUs given for {self.num_processes} processes; "
                               "jaxft runs one process per GPU")
         self.resolved_timeouts()
+        if self.console not in CONSOLE_MODES:
+            raise LaunchError(f"--console must be one of {CONSOLE_MODES}, got {self.console!r}")
         rules = parse_rules(list(self.faults))
         for rule in rules:
             if rule.process is not None and not 0 <= rule.process < self.num_processes:
@@ -132,22 +137,15 @@ class Launcher:
         self._print_lock = threading.Lock()
         self._stop_signal: int | None = None
         self.workers = [_Worker(i) for i in range(config.num_processes)]
+        if config.console == "progress" and not config.run_dir:  # the logs need a home
+            config.run_dir = tempfile.mkdtemp(prefix="jaxft-run-")
+        self.console = Console(config.console, config.run_dir, out, config.num_processes, config.progress_every)
         self.events = EventLog(config.run_dir, "launcher", 0)
         self.exits: list[dict] = []
 
     # -- output -------------------------------------------------------------------------
     def say(self, text: str) -> None:
-        with self._print_lock:
-            self.out.write(f"[jaxft] {text}\n")
-            self.out.flush()
-
-    def _pump(self, worker_id: int, stream) -> None:
-        for raw in iter(stream.readline, b""):
-            line = raw.decode(errors="replace").rstrip("\n")
-            with self._print_lock:
-                self.out.write(f"[{worker_id}] {line}\n")
-                self.out.flush()
-        stream.close()
+        self.console.say(text)  # the console (jaxft.console) decides what a person sees
 
     # -- children -----------------------------------------------------------------------
     def _env(self, worker: _Worker, coordinator: Coordinator, fault_dir: str) -> dict[str, str]:
@@ -180,7 +178,8 @@ class Launcher:
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=_set_pdeathsig)
         worker.stopped_since = None
-        worker.reader = threading.Thread(target=self._pump, args=(worker.process_id, worker.proc.stdout),
+        worker.reader = threading.Thread(target=self.console.pump,
+                                         args=(worker.process_id, worker.incarnation, worker.proc.stdout),
                                          daemon=True)
         worker.reader.start()
         self.events.log("launch", process=worker.process_id, incarnation=worker.incarnation,
@@ -214,6 +213,7 @@ class Launcher:
         t0 = time.time()
         if c.run_dir:
             os.makedirs(c.run_dir, exist_ok=True)
+        self.console.start()
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         fault_dir = tempfile.mkdtemp(prefix="jaxft-faults-")
         exit_code = 1
@@ -234,6 +234,7 @@ class Launcher:
                 signal.signal(s, h)
             shutil.rmtree(fault_dir, ignore_errors=True)
             self._write_summary(exit_code, time.time() - t0)
+            self.console.close(exit_code, time.time() - t0, {w.process_id: w.restarts for w in self.workers})
         return exit_code
 
     def _supervise(self, coordinator: Coordinator, fault_dir: str, t0: float) -> int:

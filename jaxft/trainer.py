@@ -177,6 +177,7 @@ class ElasticTrainer:
     # -- the loop -----------------------------------------------------------------------
     def run(self, num_steps: int) -> TrainState:
         """Train until ``num_steps`` steps are committed; returns the final state."""
+        self.events.log("train_start", step=self.state.step, total_steps=num_steps)
         while self.state.step < num_steps:
             self.try_step()
         self.group.finish()
