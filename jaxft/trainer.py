@@ -6,6 +6,9 @@ batch size, and the new state is committed only if every member finished. A fail
 is retried on the survivors with the same batch, so the run computes what a run without
 failures computes. A restarted process is detected inside the step and rehydrated from
 the lowest-numbered member holding the latest step.
+
+It is a thin user of :class:`jaxft.ElasticLoop` (bring your own step): its step is
+:func:`make_train_step` and its state the pytree ``{"params", "opt_state"}``.
 """
 
 from __future__ import annotations
@@ -15,16 +18,14 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxft import rejoin, transfer
-from jaxft.data import GlobalBatches, shard_batch
-from jaxft.errors import ConsistencyError, StepFailed
+from jaxft.data import GlobalBatches
 from jaxft.events import EventLog
 from jaxft.faults import FaultInjector
-from jaxft.membership import ElasticGroup, Members
+from jaxft.loop import ElasticLoop, StepRecord, local_copy, replicate, to_host
+from jaxft.membership import ElasticGroup
 from jaxft.types import PyTree
 
 LossFn = Callable[[PyTree, PyTree], jax.Array]  # (params, batch[B, ...]) -> per-example loss [B]
@@ -37,15 +38,6 @@ class TrainState:
     step: int
     params: PyTree
     opt_state: PyTree
-
-
-@dataclasses.dataclass
-class StepRecord:
-    step: int
-    loss: float
-    members: tuple[int, ...]
-    generation: int
-    incarnations: dict[int, int] = dataclasses.field(default_factory=dict)  # process -> service incarnation
 
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, global_batch: int,
@@ -79,26 +71,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, gl
     return jax.jit(step, out_shardings=(replicated, replicated, replicated))
 
 
-def _replicate(tree: PyTree, mesh: Mesh) -> PyTree:
-    """A replicated global view of this process's copy (no data moves between processes)."""
-    sharding = NamedSharding(mesh, P())
-    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-
-    def one(x):
-        x = np.asarray(x) if not isinstance(x, jax.Array) else x
-        return jax.make_array_from_single_device_arrays(np.shape(x), sharding,
-                                                        [jax.device_put(x, d) for d in local])
-
-    return jax.tree_util.tree_map(one, tree)
-
-
-def _local(tree: PyTree) -> PyTree:
-    """This process's copy of a replicated tree, as single-device arrays."""
-    return jax.tree_util.tree_map(lambda x: x.addressable_data(0), tree)
-
-
-def _to_host(tree: PyTree) -> PyTree:
-    return jax.tree_util.tree_map(lambda x: np.array(x), tree)
+_replicate, _local, _to_host = replicate, local_copy, to_host  # older names, kept for bench/
 
 
 class ElasticTrainer:
@@ -125,60 +98,56 @@ class ElasticTrainer:
         self.data = data
         self.micro_batch = micro_batch
         self.check_every = check_every
-        self.events = events or (runtime.events if runtime is not None else EventLog(None, jax.process_index()))
-        self.faults = faults or (runtime.faults if runtime is not None else FaultInjector([], jax.process_index()))
-        self.group = group or ElasticGroup()
         self.on_commit = on_commit
-        self.state = TrainState(0, params, optimizer.init(params))
-        self.last_loss: float | None = None
-        self._steps: dict[tuple[int, ...], Callable] = {}
-        # The last step's replicated outputs, reused while the members stay the same.
-        self._global: tuple | None = None  # (device ids, params, opt_state, their global views)
-        self.group.on_reset(before=self._state_to_host, after=self._steps.clear)
+        hook = (lambda _loop, record: on_commit(self, record)) if on_commit is not None else None
+        self.loop = ElasticLoop(None, {"params": params, "opt_state": optimizer.init(params)}, data,
+                                make_step=self._make_step, runtime=runtime, events=events, faults=faults,
+                                micro_batch=micro_batch, stacked=True, check_every=check_every, group=group,
+                                on_commit=hook)
+        self.events, self.faults, self.group = self.loop.events, self.loop.faults, self.loop.group
+        self._view: TrainState | None = None
+
+    def _make_step(self, mesh: Mesh) -> Callable:
+        inner = make_train_step(self.loss_fn, self.optimizer, self.data.global_batch, mesh)
+
+        def step(state, batch, mask):
+            params, opt_state, loss = inner(state["params"], state["opt_state"], batch, mask)
+            return {"params": params, "opt_state": opt_state}, {"loss": loss}
+
+        return step
 
     # -- state --------------------------------------------------------------------------
-    def _state_to_host(self) -> None:
-        self._global = None
-        s = self.state
-        self.state = TrainState(s.step, _to_host(s.params), _to_host(s.opt_state))
+    @property
+    def state(self) -> TrainState:
+        """The committed state (assigning to its fields changes what the next step starts from)."""
+        s = self.loop.state
+        v = self._view
+        if v is None or v.step != self.loop.step or v.params is not s["params"] or v.opt_state is not s["opt_state"]:
+            v = self._view = TrainState(self.loop.step, s["params"], s["opt_state"])
+        return v
+
+    def _pull_view(self) -> None:
+        """Adopt changes made to the fields of :attr:`state` by the caller."""
+        v, s = self._view, self.loop.state
+        if v is not None and (v.params is not s["params"] or v.opt_state is not s["opt_state"]
+                              or v.step != self.loop.step):
+            self.loop.restore(v.step, {"params": v.params, "opt_state": v.opt_state})
 
     def restore(self, state: TrainState) -> None:
         """Start from ``state`` (e.g. a checkpoint) instead of the initial one."""
-        self.state = state
+        self._view = None
+        self.loop.restore(state.step, {"params": state.params, "opt_state": state.opt_state})
 
-    def _train_step(self, members: Members) -> Callable:
-        key = tuple(d.id for d in members.devices)
-        fn = self._steps.get(key)
-        if fn is None:
-            fn = make_train_step(self.loss_fn, self.optimizer, self.data.global_batch, members.mesh)
-            self._steps[key] = fn
-        return fn
-
-    def _replicated(self, state: TrainState, m: Members) -> tuple[PyTree, PyTree]:
-        """``state`` as replicated global arrays on ``m.mesh``; free when the last step's
-        outputs already are exactly that."""
-        g = self._global
-        if (g is not None and g[0] == tuple(d.id for d in m.devices) and g[1] is state.params
-                and g[2] is state.opt_state):
-            return g[3], g[4]
-        return _replicate(state.params, m.mesh), _replicate(state.opt_state, m.mesh)
-
-    # -- joiners ------------------------------------------------------------------------
-    def _sync_state(self, m: Members) -> tuple[TrainState, rejoin.Rehydration | None]:
-        """Agree on the step; rehydrate members behind the latest one from a donor (see jaxft.rejoin)."""
-        s = self.state
-        steps, self.group.generation = rejoin.agree_steps(s.step, self.group.generation, m)
-        step, tree, info = rejoin.rehydrate(s.step, {"params": s.params, "opt_state": s.opt_state}, m,
-                                            self.group.process_id, steps)
-        if info is None and step == s.step:
-            return s, info
-        return TrainState(step, tree["params"], tree["opt_state"]), info
+    @property
+    def last_loss(self) -> float | None:
+        return self.loop.last_loss
 
     # -- the loop -----------------------------------------------------------------------
     def run(self, num_steps: int) -> TrainState:
         """Train until ``num_steps`` steps are committed; returns the final state."""
-        self.events.log("train_start", step=self.state.step, total_steps=num_steps)
-        while self.state.step < num_steps:
+        self._pull_view()
+        self.events.log("train_start", step=self.loop.step, total_steps=num_steps)
+        while self.loop.step < num_steps:
             self.try_step()
         self.group.finish()
         self.log_final()
@@ -186,43 +155,8 @@ class ElasticTrainer:
 
     def try_step(self) -> StepRecord | None:
         """One attempt at the next step; None if it failed (nothing was committed)."""
-        step = self.state.step
-        self.faults.point("before-step", step)
-        try:
-            with self.group.step() as m:
-                state, rehydrated = (self._sync_state(m) if m.gained else (self.state, None))
-                step = state.step
-                fn = self._train_step(m)
-                batch, mask = shard_batch(self.data.batch(step), m.mesh, self.group.axis_name, self.micro_batch)
-                params, opt_state, loss = fn(*self._replicated(state, m), batch, mask)
-                jax.block_until_ready((params, opt_state, loss))
-                self.faults.point("after-grad", step)
-                new_params = _local(params)
-                if self.check_every and (step + 1) % self.check_every == 0:
-                    bad = transfer.check_consistent(new_params, m.mesh)
-                    if bad:
-                        raise ConsistencyError(step + 1, bad)
-                loss = float(np.asarray(loss.addressable_data(0)))
-        except StepFailed as e:
-            self.events.log("step_failed", step=step, failed=list(e.failed),
-                            cause=str(e.cause).splitlines()[0][:300] if e.cause else "membership changed")
-            return None
-        if rehydrated is not None:
-            self.events.log("join", step=rehydrated.from_step, process=self.group.process_id)
-            self.events.log("rehydrated", **dataclasses.asdict(rehydrated))
-        self.state = TrainState(step + 1, new_params, _local(opt_state))
-        self._global = (tuple(d.id for d in m.devices), self.state.params, self.state.opt_state,
-                        params, opt_state)
-        self.last_loss = loss
-        generation = self.group.generation  # agreed with the donor's after a rejoin
-        record = StepRecord(step, loss, m.process_ids, generation, dict(m.incarnations))
-        self.events.log("commit", step=step, members=list(m.process_ids), generation=generation, loss=loss)
-        if self.on_commit is not None:
-            self.on_commit(self, record)
-        self.faults.point("after-commit", step)
-        return record
+        self._pull_view()
+        return self.loop.try_step()
 
     def log_final(self) -> dict:
-        params = self.state.params
-        return self.events.log("final", step=self.state.step, params_sha256=transfer.tree_sha256(params),
-                               params_norm=transfer.tree_norm(params), loss=self.last_loss)
+        return self.loop.log_final(self.loop.state["params"])
