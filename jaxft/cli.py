@@ -71,8 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch(sub)
     _add_coordinator(sub)
     bench.add_parser(sub)
-    r = sub.add_parser("report", help="summarise a run directory's events")
-    r.add_argument("run_dir")
+    r = sub.add_parser("report", help="summarise a run directory's events (with its goodput), or compare runs")
+    r.add_argument("run_dir", nargs="+", help="a run directory; two or more are compared side by side")
     r.add_argument("--json", action="store_true", help="print the figures as JSON")
     r.add_argument("--png", default=None, help="where to write the picture (default RUN_DIR/report.png)")
     return parser
