@@ -79,8 +79,10 @@ class GrainBatches:
     def local_batch(self, step: int, positions: np.ndarray):
         """The examples at ``positions`` (in ``[0, G)``) of step ``step``, stacked ``[len, ...]``."""
         positions = tuple(int(p) for p in positions)
-        if not positions:
-            return self.batch(step)  # a process with no devices in the mesh: nothing is placed
+        if not positions:  # every slot of this process is padding: empty arrays of the right kind
+            import jax
+
+            return jax.tree_util.tree_map(lambda x: x[:0], _stack([self.example(step * self.global_batch)]))
         if self._key != (positions, step):
             self._it = self._pipeline(step, positions)
         out = next(self._it)

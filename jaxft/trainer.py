@@ -105,7 +105,8 @@ class ElasticTrainer:
                                 micro_batch=micro_batch, stacked=True, check_every=check_every, group=group,
                                 on_commit=hook)
         self.events, self.faults, self.group = self.loop.events, self.loop.faults, self.loop.group
-        self._view: TrainState | None = None
+        self._view: TrainState | None = None  # what `state` returned, and what it was made from
+        self._view_src: tuple = ()
 
     def _make_step(self, mesh: Mesh) -> Callable:
         inner = make_train_step(self.loss_fn, self.optimizer, self.data.global_batch, mesh)
@@ -120,18 +121,24 @@ class ElasticTrainer:
     @property
     def state(self) -> TrainState:
         """The committed state (assigning to its fields changes what the next step starts from)."""
-        s = self.loop.state
-        v = self._view
-        if v is None or v.step != self.loop.step or v.params is not s["params"] or v.opt_state is not s["opt_state"]:
-            v = self._view = TrainState(self.loop.step, s["params"], s["opt_state"])
-        return v
+        src = (self.loop.step, self.loop.state["params"], self.loop.state["opt_state"])
+        if self._view is None or not self._same(self._view_src, src):
+            self._view, self._view_src = TrainState(*src), src
+        return self._view
+
+    @staticmethod
+    def _same(a: tuple, b: tuple) -> bool:
+        return a[0] == b[0] and a[1] is b[1] and a[2] is b[2]
 
     def _pull_view(self) -> None:
-        """Adopt changes made to the fields of :attr:`state` by the caller."""
-        v, s = self._view, self.loop.state
-        if v is not None and (v.params is not s["params"] or v.opt_state is not s["opt_state"]
-                              or v.step != self.loop.step):
+        """Adopt changes the caller made to the fields of :attr:`state` since the last commit."""
+        v = self._view
+        if v is None:
+            return
+        src = (self.loop.step, self.loop.state["params"], self.loop.state["opt_state"])
+        if self._same(self._view_src, src) and not self._same((v.step, v.params, v.opt_state), src):
             self.loop.restore(v.step, {"params": v.params, "opt_state": v.opt_state})
+        self._view = None
 
     def restore(self, state: TrainState) -> None:
         """Start from ``state`` (e.g. a checkpoint) instead of the initial one."""
