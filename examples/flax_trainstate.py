@@ -18,6 +18,7 @@ import jaxft
 
 flags.DEFINE_integer("steps", 20, "steps to train")
 flags.DEFINE_integer("global_batch", 96, "examples per step, whatever the number of processes")
+flags.DEFINE_float("step_sleep", 0.0, "seconds to sleep after each commit (to stretch demos and tests)")
 flags.DEFINE_integer("seed", 0, "seed of the init and the data order")
 flags.DEFINE_float("peak_lr", 1e-2, "peak learning rate of the warm-up + cosine schedule")
 FLAGS = flags.FLAGS
@@ -33,6 +34,8 @@ def load_digits():
 
 def main(_):
     logging.set_verbosity(logging.WARNING)
+    import time
+
     # Slow set-up that needs no JAX backend first (a restarted process joins when it connects).
     import flax.linen as nn
     import optax
@@ -67,6 +70,8 @@ def main(_):
         return state.apply_gradients(grads=grads), {"loss": loss, "lr": schedule(state.step)}
 
     def on_commit(loop, record):
+        if FLAGS.step_sleep:
+            time.sleep(FLAGS.step_sleep)
         if record.step % 5 == 0 or record.step == FLAGS.steps - 1:
             print(f"step {record.step:3d} loss {record.loss:.4f} lr {record.metrics['lr']:.5f} "
                   f"members {list(record.members)}", flush=True)

@@ -19,6 +19,7 @@ import jaxft
 flags.DEFINE_integer("steps", 20, "steps to train")
 flags.DEFINE_integer("global_batch", 96, "examples per step, whatever the number of processes")
 flags.DEFINE_integer("num_examples", 2048, "size of the source")
+flags.DEFINE_float("step_sleep", 0.0, "seconds to sleep after each commit (to stretch demos and tests)")
 flags.DEFINE_integer("seed", 0, "seed of the init and of Grain's shuffle")
 FLAGS = flags.FLAGS
 
@@ -45,6 +46,8 @@ class RegressionSource:
 
 def main(_):
     logging.set_verbosity(logging.WARNING)
+    import time
+
     import grain  # noqa: F401 - slow imports before joining the job
     import optax
 
@@ -65,6 +68,8 @@ def main(_):
         return jnp.sum((h @ params["w2"] + params["b2"] - batch["y"]) ** 2, axis=-1)
 
     def on_commit(trainer, record):
+        if FLAGS.step_sleep:
+            time.sleep(FLAGS.step_sleep)
         if record.step % 5 == 0 or record.step == FLAGS.steps - 1:
             print(f"step {record.step:3d} loss {record.loss:.5f} members {list(record.members)}", flush=True)
 

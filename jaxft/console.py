@@ -368,8 +368,10 @@ class Console:
         if t.finals:
             agree = f"identical params (sha256 {next(iter(shas))[:12]})" if len(shas) == 1 else \
                 f"DIFFERENT params ({len(shas)} distinct sha256)"
-            self._print(f"[jaxft] {len(t.finals)} processes finished at step {t.step} with {agree}")
-        self._print(f"[jaxft] done in {wall_s:.1f} s, exit code {exit_code}; {t.incidents_seen} incidents; "
+            n = len(t.finals)
+            self._print(f"[jaxft] {n} process{'es' if n != 1 else ''} finished at step {t.step} with {agree}")
+        n = t.incidents_seen
+        self._print(f"[jaxft] done in {wall_s:.1f} s, exit code {exit_code}; {n} incident{'s' if n != 1 else ''}; "
                     "restarts " + ", ".join(f"p{p}={n}" for p, n in sorted(restarts.items())))
         if self._launcher_log is not None:
             self._launcher_log.close()

@@ -86,6 +86,19 @@ def to_host(tree: PyTree) -> PyTree:
     return jax.tree_util.tree_map(lambda x: np.array(x), tree)
 
 
+def canonical(tree: PyTree) -> PyTree:
+    """Host leaves (Python scalars, numpy arrays) as numpy arrays of the dtype JAX would give
+    them (``0`` -> int32 without x64): the state has the same bytes on a process that has not
+    stepped yet as on one holding a step's output, as the rejoin's transfer requires."""
+    def one(x):
+        if isinstance(x, jax.Array):
+            return x
+        a = np.asarray(x)
+        return a.astype(jax.dtypes.canonicalize_dtype(a.dtype), copy=False)
+
+    return jax.tree_util.tree_map(one, tree)
+
+
 def _scalars(metrics: Any) -> dict[str, float]:
     if not isinstance(metrics, dict):
         metrics = {"loss": metrics} if metrics is not None else {}
@@ -133,7 +146,7 @@ class ElasticLoop:
         self.group = group or ElasticGroup()
         self.on_commit = on_commit
         self.step = step  # steps committed
-        self.state = state
+        self.state = canonical(state)
         self.last_metrics: dict[str, float] = {}
         self._compiled: dict[tuple[int, ...], Callable] = {}
         # The last step's replicated outputs, reused while the members and the state stay the same.
@@ -155,7 +168,7 @@ class ElasticLoop:
 
     def restore(self, step: int, state: PyTree) -> None:
         """Continue from ``(step, state)`` (e.g. a checkpoint) instead of the initial state."""
-        self.step, self.state, self._global = int(step), state, None
+        self.step, self.state, self._global = int(step), canonical(state), None
 
     def _fn(self, m: Members) -> Callable:
         key = tuple(d.id for d in m.devices)

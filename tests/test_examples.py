@@ -44,12 +44,13 @@ def test_flax_digits_with_a_kill(tmp_path):
 
 # -- bring your own step (flax TrainState) and the Grain source: a kill changes nothing -------------
 
-def _kill_vs_fault_free(tmp_path, example: str, steps: str = "16"):
+def _kill_vs_fault_free(tmp_path, example: str, steps: str = "30"):
     """Single process, then 3 processes with process 1 killed at step 8 (restarted, rejoins),
-    then 3 processes without faults: the last two end with one and the same params_sha256."""
+    then 3 processes without faults: the last two end with one and the same params_sha256.
+    The sleep after each commit leaves the restarted process time to rejoin before the end."""
     single = run([PYTHON, str(EXAMPLES / example), "--steps", "6"], timeout=180)
     assert single.returncode == 0 and "done: step 6" in single.stdout, single.describe()
-    proc, ev = train(tmp_path / "kill", str(EXAMPLES / example), "--steps", steps,
+    proc, ev = train(tmp_path / "kill", str(EXAMPLES / example), "--steps", steps, "--step_sleep", "0.4",
                      faults=["kill:process=1:step=8"], restart="on-failure")
     assert proc.returncode == 0, proc.describe()
     assert by_event(ev, "fault", process=1) and by_event(ev, "rehydrated", process=1, incarnation=1)
