@@ -334,6 +334,8 @@ class Console:
                 self._print(f"[jaxft] incident: {story}")
             if e.get("event") == "exit":
                 self._maybe_show_tail(e)
+            elif e.get("event") == "interrupted":
+                self._print(f"[jaxft] received {e.get('signal')}; stopping all workers")
 
     def _maybe_show_tail(self, e: dict) -> None:
         """A worker that exited with an error code (not a signal, not on purpose): its last lines."""
