@@ -28,7 +28,9 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers and IDEs
     from jaxft.data import GlobalBatches, Layout, shard_batch
     from jaxft.membership import ElasticGroup, Members
     from jaxft.rejoin import Rehydration
-    from jaxft.trainer import ElasticTrainer, StepRecord, TrainState, make_train_step
+    from jaxft.grain_source import GrainBatches
+    from jaxft.loop import ElasticLoop, StepRecord
+    from jaxft.trainer import ElasticTrainer, TrainState, make_train_step
     from jaxft.transfer import broadcast_tree, check_consistent, tree_norm, tree_sha256
 
 __version__ = "0.1.0"
@@ -37,7 +39,9 @@ _LAZY = {
     "jaxft.data": ("GlobalBatches", "Layout", "shard_batch"),
     "jaxft.membership": ("ElasticGroup", "Members"),
     "jaxft.rejoin": ("Rehydration",),
-    "jaxft.trainer": ("ElasticTrainer", "StepRecord", "TrainState", "make_train_step"),
+    "jaxft.trainer": ("ElasticTrainer", "TrainState", "make_train_step"),
+    "jaxft.loop": ("ElasticLoop", "StepRecord"),
+    "jaxft.grain_source": ("GrainBatches",),
     "jaxft.transfer": ("broadcast_tree", "check_consistent", "tree_norm", "tree_sha256"),
     "jaxft.checkpoint": ("CheckpointStore", "ElasticCheckpointer", "Restored"),
 }

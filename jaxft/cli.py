@@ -62,6 +62,13 @@ def _add_launch(sub) -> None:
                    help="auto (default: one worker per local GPU when nvidia-smi lists any, else CPU), "
                         "all (GPUs required), none (CPU), or ids like 0,1,2")
     p.add_argument("--grace", type=float, default=5.0, help="SIGTERM -> SIGKILL bound at shutdown, seconds")
+    p.add_argument("--console", choices=("progress", "raw"), default="progress",
+                   help="progress (default): worker output to RUN_DIR/logs/, a progress line, one line per "
+                        "incident and a summary (a temporary run dir when --run-dir is not given); "
+                        "raw: every worker line on the console, prefixed with its process id")
+    p.add_argument("--verbose", "-v", action="store_true", help="same as --console raw")
+    p.add_argument("--progress-every", type=float, default=10.0,
+                   help="seconds between progress lines when stdout is not a terminal (default 10)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the worker command")
 
 
@@ -86,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch(sub)
     _add_coordinator(sub)
     bench.add_parser(sub)
-    r = sub.add_parser("report", help="summarise a run directory's events")
-    r.add_argument("run_dir")
+    r = sub.add_parser("report", help="summarise a run directory's events (with its goodput), or compare runs")
+    r.add_argument("run_dir", nargs="+", help="a run directory; two or more are compared side by side")
     r.add_argument("--json", action="store_true", help="print the figures as JSON")
     r.add_argument("--png", default=None, help="where to write the picture (default RUN_DIR/report.png)")
     return parser
@@ -122,7 +129,8 @@ def _launch(args, parser) -> int:
                           gpus=gpus, grace_s=args.grace,
                           restart_delay_s=args.restart_delay, timeouts=args.timeout, nnodes=args.nnodes,
                           node_rank=args.node_rank, coordinator=args.coordinator,
-                          host_coordinator=args.host_coordinator, gloo_interface=args.gloo_interface)
+                          host_coordinator=args.host_coordinator, gloo_interface=args.gloo_interface,
+                          console="raw" if args.verbose else args.console, progress_every=args.progress_every)
     return Launcher(config).run()
 
 

@@ -105,19 +105,57 @@ class Layout:
     def mask(self) -> np.ndarray:
         return self.arrange(np.ones(self.global_batch, np.float32), pad_with_zeros=True)
 
+    def positions(self, device_index: int) -> np.ndarray:
+        """Positions in ``[0, G)`` of the examples device ``device_index`` holds (all micro-batches)."""
+        per = self.num_micro * self.micro_size
+        return np.arange(device_index * per, min((device_index + 1) * per, self.global_batch))
+
+
+def local_positions(mesh, global_batch: int, micro_batch: int | None = None) -> np.ndarray:
+    """Positions in ``[0, G)`` of the examples this process's devices hold on ``mesh``."""
+    layout = Layout.plan(global_batch, mesh.devices.size, micro_batch)
+    me = jax.process_index()
+    parts = [layout.positions(i) for i, d in enumerate(mesh.devices.flat) if d.process_index == me]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def step_batch(data, step: int, mesh, micro_batch: int | None = None) -> PyTree:
+    """Step ``step``'s global batch ``[G, ...]`` for placing on ``mesh``.
+
+    A source with ``local_batch(step, positions)`` (e.g. :class:`jaxft.GrainBatches`) loads
+    only the examples this process's devices hold; the other rows are zeros that
+    :func:`shard_batch` never places. Otherwise ``data.batch(step)``.
+    """
+    if not hasattr(data, "local_batch"):
+        return data.batch(step)
+    # Example 0 too: padding slots hold copies of it (never zeros), whichever device owns them.
+    positions = np.union1d(local_positions(mesh, data.global_batch, micro_batch), [0])
+    part = data.local_batch(step, positions)
+
+    def spread(x):
+        x = np.asarray(x)
+        full = np.zeros((data.global_batch,) + x.shape[1:], x.dtype)
+        full[positions] = x
+        return full
+
+    return jax.tree_util.tree_map(spread, part)
+
 
 def shard_batch(batch: PyTree, mesh, axis_name: str = "data",
-                micro_batch: int | None = None) -> tuple[PyTree, jax.Array]:
-    """Place a global batch ``[G, ...]`` on ``mesh`` as ``[M, D*m, ...]`` plus its mask.
+                micro_batch: int | None = None, flat: bool = False) -> tuple[PyTree, jax.Array]:
+    """Place a global batch ``[G, ...]`` on ``mesh`` as ``[M, D*m, ...]`` plus its mask
+    (``flat``: as ``[D*m, ...]``, one micro-batch).
 
     Every process passes the same global batch; each only materialises its own slices.
     """
     num_devices = mesh.devices.size
     leaves = jax.tree_util.tree_leaves(batch)
-    layout = Layout.plan(int(np.shape(leaves[0])[0]), num_devices, micro_batch)
-    sharding = NamedSharding(mesh, P(None, axis_name))
+    layout = Layout.plan(int(np.shape(leaves[0])[0]), num_devices, None if flat else micro_batch)
+    sharding = NamedSharding(mesh, P(axis_name) if flat else P(None, axis_name))
 
     def place(arranged: np.ndarray) -> jax.Array:
+        if flat:
+            arranged = arranged[0]
         return jax.make_array_from_callback(arranged.shape, sharding, lambda idx: arranged[idx])
 
     placed = jax.tree_util.tree_map(lambda x: place(layout.arrange(np.asarray(x))), batch)

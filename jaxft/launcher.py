@@ -27,6 +27,7 @@ import time
 from typing import Iterator, Sequence, TextIO
 
 from jaxft import envvars
+from jaxft.console import CONSOLE_MODES, Console
 from jaxft.coordinator import Coordinator, wait_reachable
 from jaxft.errors import EXIT_CONFIG_ERROR, LaunchError, TimeoutsError
 from jaxft.hang import EXIT_HUNG
@@ -67,6 +68,8 @@ class LaunchConfig:
     coordinator: str | None = None  # HOST:PORT of the service (another node's, or a `jaxft coordinator`)
     host_coordinator: bool = False  # this agent hosts the service at --coordinator's port
     gloo_interface: str | None = None  # network interface of the CPU collectives
+    console: str = "raw"  # progress: logs per process + progress line (the CLI's default); raw: prefixed stream
+    progress_every: float = 10.0  # seconds between plain progress lines when stdout is not a terminal
 
     @property
     def total_processes(self) -> int:
@@ -124,6 +127,8 @@ class LaunchConfig:
         if self.run_dir is not None:
             _check_run_dir(self.run_dir)
         self.resolved_timeouts()
+        if self.console not in CONSOLE_MODES:
+            raise LaunchError(f"--console must be one of {CONSOLE_MODES}, got {self.console!r}")
         rules = parse_rules(list(self.faults))
         total = self.total_processes
         for rule in rules:
@@ -221,23 +226,16 @@ class Launcher:
         self._stop_signal: int | None = None
         self.workers = [_Worker(config.first_process + i) for i in range(config.num_processes)]
         self._local = {w.process_id: w for w in self.workers}
+        if config.console == "progress" and not config.run_dir:  # the logs need a home
+            config.run_dir = tempfile.mkdtemp(prefix="jaxft-run-")
+        self.console = Console(config.console, config.run_dir, out, config.total_processes, config.progress_every)
         self.events = EventLog(config.run_dir, "launcher", 0)
         self.exits: list[dict] = []
         self._lost_since: float | None = None  # when the external coordinator stopped answering
 
     # -- output -------------------------------------------------------------------------
     def say(self, text: str) -> None:
-        with self._print_lock:
-            self.out.write(f"[jaxft] {text}\n")
-            self.out.flush()
-
-    def _pump(self, worker_id: int, stream) -> None:
-        for raw in iter(stream.readline, b""):
-            line = raw.decode(errors="replace").rstrip("\n")
-            with self._print_lock:
-                self.out.write(f"[{worker_id}] {line}\n")
-                self.out.flush()
-        stream.close()
+        self.console.say(text)  # the console (jaxft.console) decides what a person sees
 
     # -- children -----------------------------------------------------------------------
     def _env(self, worker: _Worker, address: str, fault_dir: str) -> dict[str, str]:
@@ -272,7 +270,8 @@ class Launcher:
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=_set_pdeathsig)
         worker.stopped_since = None
-        worker.reader = threading.Thread(target=self._pump, args=(worker.process_id, worker.proc.stdout),
+        worker.reader = threading.Thread(target=self.console.pump,
+                                         args=(worker.process_id, worker.incarnation, worker.proc.stdout),
                                          daemon=True)
         worker.reader.start()
         self.events.log("launch", process=worker.process_id, incarnation=worker.incarnation,
@@ -313,25 +312,36 @@ class Launcher:
         t0 = time.time()
         # The service first (a busy or bad port fails here, before anything started), and
         # it goes last: workers are ended while it still runs, so they exit cleanly.
-        with self._coordinator() as address:
-            old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-            fault_dir = _fault_dir()
-            exit_code = 1
-            try:
-                where = f"node {c.node_rank} of {c.nnodes}: " if c.nnodes > 1 else ""
-                self.say(f"{where}coordinator at {address}; starting {c.num_processes} workers")
-                self.events.log("run_start", num_processes=c.total_processes, coordinator=address,
-                                command=list(c.command), faults=list(c.faults), restart=c.restart,
-                                source="launcher", node=c.node_rank, nnodes=c.nnodes)
-                for w in self.workers:
-                    self._start(w, address, fault_dir)
-                exit_code = self._supervise(address, fault_dir, time.time())  # after= counts from here
-            finally:
-                self._terminate_all()
-                for s, h in old_handlers.items():
-                    signal.signal(s, h)
-                shutil.rmtree(fault_dir, ignore_errors=True)
-                self._write_summary(exit_code, time.time() - t0)
+        self.console.start()
+        try:
+            with self._coordinator() as address:
+                exit_code = self._run_workers(address, t0)
+        except BaseException:
+            self.console.restore_stderr()
+            raise
+        return exit_code
+
+    def _run_workers(self, address: str, t0: float) -> int:
+        c = self.config
+        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        fault_dir = _fault_dir()
+        exit_code = 1
+        try:
+            where = f"node {c.node_rank} of {c.nnodes}: " if c.nnodes > 1 else ""
+            self.say(f"{where}coordinator at {address}; starting {c.num_processes} workers")
+            self.events.log("run_start", num_processes=c.total_processes, coordinator=address,
+                            command=list(c.command), faults=list(c.faults), restart=c.restart,
+                            source="launcher", node=c.node_rank, nnodes=c.nnodes)
+            for w in self.workers:
+                self._start(w, address, fault_dir)
+            exit_code = self._supervise(address, fault_dir, time.time())  # after= counts from here
+        finally:
+            self._terminate_all()
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+            shutil.rmtree(fault_dir, ignore_errors=True)
+            self._write_summary(exit_code, time.time() - t0)
+            self.console.close(exit_code, time.time() - t0, {w.process_id: w.restarts for w in self.workers})
         return exit_code
 
     @contextlib.contextmanager
@@ -404,7 +414,7 @@ class Launcher:
                     self.events.log("hung", process=w.process_id, incarnation=w.incarnation, source="launcher")
                 if code == EXIT_CONFIG_ERROR:
                     w.done = True  # a configuration error is not a fault: restarting repeats it
-                    self.say(f"process {w.process_id} stopped on a configuration error; not restarting it")
+                    self.console.warn(f"process {w.process_id} stopped on a configuration error; not restarting it")
                 elif code != 0 and c.restart == "all" and self._restarts_left():
                     self._restart_everyone(w, now)
                 elif code != 0 and c.restart == "on-failure" and w.restarts < c.max_restarts:
@@ -421,13 +431,13 @@ class Launcher:
         if self._lost_since is None:
             return True
         if wait_reachable(self.config.coordinator, 0.2) is None:
-            self.say(f"coordinator at {self.config.coordinator} is back after {now - self._lost_since:.1f} s; "
+            self.console.warn(f"coordinator at {self.config.coordinator} is back after {now - self._lost_since:.1f} s; "
                      "restarting the workers (they restore the latest checkpoint)")
             self.events.log("coordinator_back", after_s=round(now - self._lost_since, 3), source="launcher")
             self._lost_since = None
             return True
         if now - self._lost_since > self.timeouts.initialization:
-            self.say(f"lost the coordinator at {self.config.coordinator}: no answer for "
+            self.console.warn(f"lost the coordinator at {self.config.coordinator}: no answer for "
                      f"{self.timeouts.describe('initialization')}; giving up")
             self.events.log("coordinator_gone", waited_s=round(now - self._lost_since, 3), source="launcher")
             return False
@@ -438,7 +448,7 @@ class Launcher:
         if c.coordinator and not c.host_coordinator and self._lost_since is None \
                 and wait_reachable(c.coordinator, 0.5) is not None:
             self._lost_since = now  # every worker dies with it: restart them once it is back
-            self.say(f"the coordinator at {c.coordinator} does not answer; holding restarts until it does "
+            self.console.warn(f"the coordinator at {c.coordinator} does not answer; holding restarts until it does "
                      f"(at most {self.timeouts.describe('initialization')})")
             self.events.log("coordinator_lost", coordinator=c.coordinator, source="launcher")
         w.restarts += 1

@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any
 
+from jaxft import goodput as goodput_lib
 from jaxft.events import read_events
 
 
@@ -68,6 +69,7 @@ def summarize(events: list[dict]) -> dict[str, Any]:
         "final_width": widths[max(widths)] if widths else None,
         "wall_s": round(end - start, 3) if start and end else None,
         "final_sha256": sorted({e["params_sha256"][:12] for e in events if e["event"] == "final"}),
+        "goodput": goodput_lib.goodput(events),
     }
 
 
@@ -88,19 +90,59 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(run_dir: str, as_json: bool = False, png: str | None = None) -> int:
-    """Print the summary and write the picture (``RUN_DIR/report.png`` unless ``png``)."""
-    if not os.path.exists(os.path.join(run_dir, "events.jsonl")):
-        print(f"jaxft report: no events.jsonl in {run_dir}")
-        return 2
+def _name(run_dir: str) -> str:
+    return os.path.basename(os.path.abspath(run_dir))
+
+
+def main(run_dirs: str | list[str], as_json: bool = False, png: str | None = None) -> int:
+    """Print the summary and goodput table and write the picture (``RUN_DIR/report.png``
+    unless ``png``); with several run directories, compare them side by side."""
+    run_dirs = [run_dirs] if isinstance(run_dirs, str) else list(run_dirs)
+    for d in run_dirs:
+        if not os.path.exists(os.path.join(d, "events.jsonl")):
+            print(f"jaxft report: no events.jsonl in {d}")
+            return 2
+    if len(run_dirs) > 1:
+        return compare(run_dirs, as_json, png)
+    run_dir = run_dirs[0]
     events = read_events(run_dir)
     if not events:
         print(f"jaxft report: {os.path.join(run_dir, 'events.jsonl')} holds no events")
         return 2
     s = summarize(events)
     png = png or os.path.join(run_dir, "report.png")
-    s["report_png"] = plot(events, png, title=f"jaxft run {os.path.basename(os.path.abspath(run_dir))}")
-    print(json.dumps(s, indent=2) if as_json else format_summary(s) + f"\nreport picture      {png}")
+    s["report_png"] = plot(events, png, title=f"jaxft run {_name(run_dir)}")
+    if as_json:
+        print(json.dumps(s, indent=2))
+    else:
+        print(format_summary(s) + f"\nreport picture      {png}\n"
+              + goodput_lib.format_table([(_name(run_dir), s["goodput"])]))
+    return 0
+
+
+def compare(run_dirs: list[str], as_json: bool = False, png: str | None = None) -> int:
+    """Several runs side by side: their summaries, goodput tables and one bar chart."""
+    runs = [(_name(d), summarize(read_events(d))) for d in run_dirs]
+    png = png or os.path.join(run_dirs[0], "compare.png")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(2.5 + 2 * len(runs), 5), constrained_layout=True)
+    goodput_lib.draw(ax, [(n, s["goodput"]) for n, s in runs])
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    if as_json:
+        print(json.dumps({"runs": dict(runs), "report_png": png}, indent=2))
+        return 0
+    keys = ["steps_committed", "incidents", "processes_killed", "failed_step_attempts", "rejoins", "restores",
+            "time_lost_s", "wall_s"]
+    print(f"{'run':<24}" + "".join(f"{n[-22:]:>24}" for n, _ in runs))
+    for k in keys:
+        print(f"  {k:<22}" + "".join(f"{str(s[k]):>24}" for _, s in runs))
+    print(goodput_lib.format_table([(n, s["goodput"]) for n, s in runs]))
+    print(f"comparison picture  {png}")
     return 0
 
 
@@ -116,8 +158,10 @@ def plot(events: list[dict], path: str, title: str | None = None) -> str:
     t0 = min(e["time"] for e in events)
     t = lambda e: e["time"] - t0  # noqa: E731
     procs = sorted({e["process"] for e in events if isinstance(e.get("process"), int)})
-    fig, (ax_lanes, ax_width, ax_loss) = plt.subplots(
-        3, 1, figsize=(11, 8.5), gridspec_kw={"height_ratios": [1.2, 1, 1.4]}, constrained_layout=True)
+    fig = plt.figure(figsize=(14, 8.5), constrained_layout=True)
+    grid = fig.add_gridspec(3, 2, height_ratios=[1.2, 1, 1.4], width_ratios=[4, 1])
+    ax_lanes, ax_width, ax_loss = (fig.add_subplot(grid[i, 0]) for i in range(3))
+    goodput_lib.draw(fig.add_subplot(grid[:, 1]), [("this run", goodput_lib.goodput(events))])
 
     # lanes: one row per process, a bar per incarnation (launch -> exit)
     launches = {(e["process"], e["incarnation"]): t(e) for e in events if e["event"] == "launch"}

@@ -6,30 +6,27 @@ batch size, and the new state is committed only if every member finished. A fail
 is retried on the survivors with the same batch, so the run computes what a run without
 failures computes. A restarted process is detected inside the step and rehydrated from
 the lowest-numbered member holding the latest step.
+
+It is a thin user of :class:`jaxft.ElasticLoop` (bring your own step): its step is
+:func:`make_train_step` and its state the pytree ``{"params", "opt_state"}``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxft import rejoin, transfer
-from jaxft.data import GlobalBatches, shard_batch
-from jaxft.errors import ConsistencyError, RetryBudgetExceeded, StepFailed, TooFewMembers
+from jaxft.data import GlobalBatches
 from jaxft.events import EventLog
 from jaxft.faults import FaultInjector
-from jaxft.membership import ElasticGroup, Members
+from jaxft.loop import ElasticLoop, StepRecord, local_copy, replicate, to_host
+from jaxft.membership import ElasticGroup
 from jaxft.types import PyTree
-
-logger = logging.getLogger(__name__)
 
 LossFn = Callable[[PyTree, PyTree], jax.Array]  # (params, batch[B, ...]) -> per-example loss [B]
 
@@ -43,15 +40,6 @@ class TrainState:
     opt_state: PyTree
 
 
-@dataclasses.dataclass
-class StepRecord:
-    step: int
-    loss: float
-    members: tuple[int, ...]
-    generation: int
-    incarnations: dict[int, int] = dataclasses.field(default_factory=dict)  # process -> service incarnation
-
-
 def _per_example(loss: jax.Array, mask: jax.Array) -> jax.Array:
     """Check (at trace time) that ``loss_fn`` returned one loss per example: a ``[B, 1]``
     loss would silently broadcast against the ``[B]`` mask into ``[B, B]``."""
@@ -59,10 +47,6 @@ def _per_example(loss: jax.Array, mask: jax.Array) -> jax.Array:
         raise ValueError(f"loss_fn must return one loss per example, shape {tuple(mask.shape)}; it returned "
                          f"shape {tuple(loss.shape)} (reduce the other axes, e.g. jnp.sum(..., axis=-1))")
     return loss
-
-
-class _Skip(Exception):
-    """Leave a step without committing (all members agree on why)."""
 
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, global_batch: int,
@@ -96,26 +80,7 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, gl
     return jax.jit(step, out_shardings=(replicated, replicated, replicated))
 
 
-def _replicate(tree: PyTree, mesh: Mesh) -> PyTree:
-    """A replicated global view of this process's copy (no data moves between processes)."""
-    sharding = NamedSharding(mesh, P())
-    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-
-    def one(x):
-        x = np.asarray(x) if not isinstance(x, jax.Array) else x
-        return jax.make_array_from_single_device_arrays(np.shape(x), sharding,
-                                                        [jax.device_put(x, d) for d in local])
-
-    return jax.tree_util.tree_map(one, tree)
-
-
-def _local(tree: PyTree) -> PyTree:
-    """This process's copy of a replicated tree, as single-device arrays."""
-    return jax.tree_util.tree_map(lambda x: x.addressable_data(0), tree)
-
-
-def _to_host(tree: PyTree) -> PyTree:
-    return jax.tree_util.tree_map(lambda x: np.array(x), tree)
+_replicate, _local, _to_host = replicate, local_copy, to_host  # older names, kept for bench/
 
 
 class ElasticTrainer:
@@ -130,10 +95,7 @@ class ElasticTrainer:
       runtime: what :func:`jaxft.initialize` returned (events and fault points).
       micro_batch: examples per device per micro-batch (gradient accumulation), or None.
       check_every: every N steps, verify that all members hold bitwise-identical params.
-      min_members: commit no step with fewer live processes than this; wait for more (up to
-        ``Timeouts.barrier``), then raise :class:`~jaxft.errors.TooFewMembers`.
-      max_attempts: failed attempts in a row at one step before
-        :class:`~jaxft.errors.RetryBudgetExceeded` (None: unbounded).
+      min_members, max_attempts: see :class:`~jaxft.ElasticLoop`.
     """
 
     def __init__(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, params: PyTree,
@@ -142,151 +104,73 @@ class ElasticTrainer:
                  check_every: int = 0, group: ElasticGroup | None = None,
                  on_commit: Callable[["ElasticTrainer", StepRecord], None] | None = None,
                  min_members: int = 1, max_attempts: int | None = 100):
-        if min_members < 1:
-            raise ValueError(f"min_members must be >= 1, got {min_members}")
-        if max_attempts is not None and max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1 or None, got {max_attempts}")
-        self.min_members = min_members
-        self.max_attempts = max_attempts
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.data = data
         self.micro_batch = micro_batch
         self.check_every = check_every
-        self.events = events or (runtime.events if runtime is not None else EventLog(None, jax.process_index()))
-        self.faults = faults or (runtime.faults if runtime is not None else FaultInjector([], jax.process_index()))
-        self.group = group or ElasticGroup()
         self.on_commit = on_commit
-        self._too_few: tuple[int, ...] | None = None
-        self._last_failure = ""
-        self.state = TrainState(0, params, optimizer.init(params))
-        self.last_loss: float | None = None
-        self._steps: dict[tuple[int, ...], Callable] = {}
-        # The last step's replicated outputs, reused while the members stay the same.
-        self._global: tuple | None = None  # (device ids, params, opt_state, their global views)
-        self.group.on_reset(before=self._state_to_host, after=self._steps.clear)
+        hook = (lambda _loop, record: on_commit(self, record)) if on_commit is not None else None
+        self.loop = ElasticLoop(None, {"params": params, "opt_state": optimizer.init(params)}, data,
+                                make_step=self._make_step, runtime=runtime, events=events, faults=faults,
+                                micro_batch=micro_batch, stacked=True, check_every=check_every, group=group,
+                                on_commit=hook, min_members=min_members, max_attempts=max_attempts)
+        self.events, self.faults, self.group = self.loop.events, self.loop.faults, self.loop.group
+        self._view: TrainState | None = None  # what `state` returned, and what it was made from
+        self._view_src: tuple = ()
+
+    def _make_step(self, mesh: Mesh) -> Callable:
+        inner = make_train_step(self.loss_fn, self.optimizer, self.data.global_batch, mesh)
+
+        def step(state, batch, mask):
+            params, opt_state, loss = inner(state["params"], state["opt_state"], batch, mask)
+            return {"params": params, "opt_state": opt_state}, {"loss": loss}
+
+        return step
 
     # -- state --------------------------------------------------------------------------
-    def _state_to_host(self) -> None:
-        self._global = None
-        s = self.state
-        self.state = TrainState(s.step, _to_host(s.params), _to_host(s.opt_state))
+    @property
+    def state(self) -> TrainState:
+        """The committed state (assigning to its fields changes what the next step starts from)."""
+        src = (self.loop.step, self.loop.state["params"], self.loop.state["opt_state"])
+        if self._view is None or not self._same(self._view_src, src):
+            self._view, self._view_src = TrainState(*src), src
+        return self._view
+
+    @staticmethod
+    def _same(a: tuple, b: tuple) -> bool:
+        return a[0] == b[0] and a[1] is b[1] and a[2] is b[2]
+
+    def _pull_view(self) -> None:
+        """Adopt changes the caller made to the fields of :attr:`state` since the last commit."""
+        v = self._view
+        if v is None:
+            return
+        src = (self.loop.step, self.loop.state["params"], self.loop.state["opt_state"])
+        if self._same(self._view_src, src) and not self._same((v.step, v.params, v.opt_state), src):
+            self.loop.restore(v.step, {"params": v.params, "opt_state": v.opt_state})
+        self._view = None
 
     def restore(self, state: TrainState) -> None:
         """Start from ``state`` (e.g. a checkpoint) instead of the initial one."""
-        self.state = state
+        self._view = None
+        self.loop.restore(state.step, {"params": state.params, "opt_state": state.opt_state})
 
-    def _train_step(self, members: Members) -> Callable:
-        key = tuple(d.id for d in members.devices)
-        fn = self._steps.get(key)
-        if fn is None:
-            fn = make_train_step(self.loss_fn, self.optimizer, self.data.global_batch, members.mesh)
-            self._steps[key] = fn
-        return fn
-
-    def _replicated(self, state: TrainState, m: Members) -> tuple[PyTree, PyTree]:
-        """``state`` as replicated global arrays on ``m.mesh``; free when the last step's
-        outputs already are exactly that."""
-        g = self._global
-        if (g is not None and g[0] == tuple(d.id for d in m.devices) and g[1] is state.params
-                and g[2] is state.opt_state):
-            return g[3], g[4]
-        return _replicate(state.params, m.mesh), _replicate(state.opt_state, m.mesh)
-
-    # -- joiners ------------------------------------------------------------------------
-    def _sync_state(self, m: Members) -> tuple[TrainState, rejoin.Rehydration | None]:
-        """Agree on the step; rehydrate members behind the latest one from a donor (see jaxft.rejoin)."""
-        s = self.state
-        steps, self.group.generation = rejoin.agree_steps(s.step, self.group.generation, m)
-        step, tree, info = rejoin.rehydrate(s.step, {"params": s.params, "opt_state": s.opt_state}, m,
-                                            self.group.process_id, steps,
-                                            on_start=lambda: self.faults.point("during-rehydrate", s.step))
-        if info is None and step == s.step:
-            return s, info
-        return TrainState(step, tree["params"], tree["opt_state"]), info
+    @property
+    def last_loss(self) -> float | None:
+        return self.loop.last_loss
 
     # -- the loop -----------------------------------------------------------------------
     def run(self, num_steps: int) -> TrainState:
-        """Train until ``num_steps`` steps are committed; returns the final state.
-
-        A process that starts (or restarts) after its peers finished this run exits 0
-        (``SystemExit``) instead of training the run again on its own.
-        """
-        self.group.target = num_steps
-        if self.group.run_finished():  # restarted after the others finished: never train on alone
-            self.events.log("run_already_finished", step=self.state.step, target=num_steps)
-            logger.info("process %d: the others already finished this run; exiting 0", self.group.process_id)
-            raise SystemExit(0)
-        self.group.hang.finished(False)
-        self.group.hang.on_hung = lambda info: self.events.log("hung", step=self.state.step, **info)
-        failures, waiting_since = 0, None
-        while self.state.step < num_steps:
-            step = self.state.step
-            record = self.try_step()
-            if record is not None:
-                failures, waiting_since = 0, None
-            elif self._too_few is not None:  # nothing failed: too few members to commit
-                waiting_since = waiting_since or time.monotonic()
-                if time.monotonic() - waiting_since > self.group.timeouts.barrier:
-                    raise TooFewMembers(f"only processes {list(self._too_few)} are alive, fewer than min_members="
-                                        f"{self.min_members}, for {self.group.timeouts.describe('barrier')}")
-                time.sleep(self.group.poll_s)
-            else:
-                failures += 1
-                if self.max_attempts is not None and failures >= self.max_attempts and self.state.step == step:
-                    raise RetryBudgetExceeded(f"step {step} failed {failures} times in a row "
-                                              f"(max_attempts={self.max_attempts}); last: {self._last_failure}")
-        self.group.finish(self.state.step)
-        self.log_final()
+        """Train until ``num_steps`` steps are committed; returns the final state (see
+        :meth:`ElasticLoop.run` for what happens with too few members or a late start)."""
+        self.loop.run(num_steps, before_attempt=self._pull_view)
         return self.state
 
     def try_step(self) -> StepRecord | None:
         """One attempt at the next step; None if it failed (nothing was committed)."""
-        step = self.state.step
-        self._too_few = None
-        self.faults.point("before-step", step)
-        try:
-            with self.group.step() as m:
-                if len(m.process_ids) < self.min_members:  # every member sees the same m: all skip
-                    self._too_few = m.process_ids
-                    raise _Skip
-                state, rehydrated = (self._sync_state(m) if m.gained else (self.state, None))
-                step = state.step
-                fn = self._train_step(m)
-                batch, mask = shard_batch(self.data.batch(step), m.mesh, self.group.axis_name, self.micro_batch)
-                params, opt_state, loss = fn(*self._replicated(state, m), batch, mask)
-                jax.block_until_ready((params, opt_state, loss))
-                self.faults.point("after-grad", step)
-                new_params = _local(params)
-                if self.check_every and (step + 1) % self.check_every == 0:
-                    bad = transfer.check_consistent(new_params, m.mesh)
-                    if bad:
-                        raise ConsistencyError(step + 1, bad)
-                loss = float(np.asarray(loss.addressable_data(0)))
-        except StepFailed as e:
-            self._last_failure = str(e)
-            self.events.log("step_failed", step=step, failed=list(e.failed),
-                            cause=str(e.cause).splitlines()[0][:300] if e.cause else "membership changed")
-            return None
-        except _Skip:
-            self.events.log("step_waiting", step=step, members=list(self._too_few), min_members=self.min_members)
-            return None
-        if rehydrated is not None:
-            self.events.log("join", step=rehydrated.from_step, process=self.group.process_id)
-            self.events.log("rehydrated", **dataclasses.asdict(rehydrated))
-        self.state = TrainState(step + 1, new_params, _local(opt_state))
-        self._global = (tuple(d.id for d in m.devices), self.state.params, self.state.opt_state,
-                        params, opt_state)
-        self.last_loss = loss
-        generation = self.group.generation  # agreed with the donor's after a rejoin
-        record = StepRecord(step, loss, m.process_ids, generation, dict(m.incarnations))
-        self.events.log("commit", step=step, members=list(m.process_ids), generation=generation, loss=loss)
-        if self.on_commit is not None:
-            self.on_commit(self, record)
-        self.faults.point("after-commit", step)
-        return record
+        self._pull_view()
+        return self.loop.try_step()
 
     def log_final(self) -> dict:
-        params = self.state.params
-        return self.events.log("final", step=self.state.step, params_sha256=transfer.tree_sha256(params),
-                               params_norm=transfer.tree_norm(params), loss=self.last_loss)
+        return self.loop.log_final(self.loop.state["params"])

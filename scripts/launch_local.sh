@@ -13,13 +13,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
+# quiet_pip ARGS...: pip -q with its warnings kept out of sight unless it fails.
+quiet_pip() {
+  local log
+  log=$(mktemp)
+  if ! .venv/bin/python -m pip install -q "$@" >"$log" 2>&1; then
+    cat "$log"; rm -f "$log"; return 1
+  fi
+  rm -f "$log"
+}
 if [ ! -x .venv/bin/python ]; then
   echo "[launch_local] creating .venv and installing jaxft (first run only)"
   "$PY" -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[test]'
+  quiet_pip --upgrade pip
+  quiet_pip -e '.[test]'
 fi
-.venv/bin/python -c "import jaxft" 2>/dev/null || .venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -c "import jaxft, rich, grain" 2>/dev/null || quiet_pip -e '.[test]'
 
 GPUS=none
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then

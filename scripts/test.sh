@@ -16,7 +16,13 @@ setup_venv() {
         "$python" -m venv "$dir" || return 1
     fi
     log "installing -e '.[test]' into $dir"
-    "$dir/bin/python" -m pip install -q -e '.[test]' || return 1
+    local out
+    out=$(mktemp)
+    # -q, and pip's warnings shown only when the install fails
+    if ! "$dir/bin/python" -m pip install -q -e '.[test]' >"$out" 2>&1; then
+        cat "$out"; rm -f "$out"; return 1
+    fi
+    rm -f "$out"
 }
 
 # find_python312: print the path of a working Python 3.12 interpreter, if any.

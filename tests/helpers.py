@@ -77,9 +77,12 @@ def run_python(code: str, *args, timeout: float = 60, env: dict | None = None) -
 
 
 def launch(num_processes: int, command: Sequence[str], *options: str, run_dir: str | os.PathLike | None = None,
-           timeout: float = 90) -> Result:
-    """``jaxft launch -n N [options] [--run-dir R] -- COMMAND``, run to completion."""
-    extra = ["--run-dir", str(run_dir)] if run_dir is not None else []
+           timeout: float = 90, console: str = "raw") -> Result:
+    """``jaxft launch -n N --console C [options] [--run-dir R] -- COMMAND``, run to completion.
+
+    ``console="raw"`` (the default here) keeps every worker line on stdout, prefixed with its
+    process id, which is what most tests read."""
+    extra = ["--console", console] + (["--run-dir", str(run_dir)] if run_dir is not None else [])
     return run_jaxft("launch", "-n", str(num_processes), *options, *extra, "--", *command,
                      timeout=timeout)
 
@@ -212,14 +215,14 @@ MLP = str(REPO / "examples" / "mlp.py")
 
 
 def train(run_dir: str | os.PathLike, *worker: str, n: int = 3, faults: Sequence[str] = (),
-          restart: str = "never", extra: Sequence[str] = (), timeout: float = 240
+          restart: str = "never", extra: Sequence[str] = (), timeout: float = 240, console: str = "raw"
           ) -> tuple[Result, list[dict]]:
     """``jaxft launch -n N --run-dir R --restart P [--fault F]... -- python WORKER...``;
     returns the result and the run's events."""
     options = ["--restart", restart, *extra]
     for f in faults:
         options += ["--fault", f]
-    result = launch(n, [PYTHON, *worker], *options, run_dir=run_dir, timeout=timeout)
+    result = launch(n, [PYTHON, *worker], *options, run_dir=run_dir, timeout=timeout, console=console)
     return result, events(run_dir)
 
 

@@ -39,7 +39,7 @@ def _envs(stdout: str) -> list[dict]:
 
 
 def test_one_worker_per_gpu_by_default(tmp_path):
-    r = run_jaxft("launch", "--", PYTHON, "-c", ENV_PRINTER, env=_fake_gpus(tmp_path, 3), timeout=60)
+    r = run_jaxft("launch", "--console", "raw", "--", PYTHON, "-c", ENV_PRINTER, env=_fake_gpus(tmp_path, 3), timeout=60)
     assert r.returncode == 0, r.describe()
     envs = _envs(r.stdout)
     assert [(e["JAXFT_PROCESS_ID"], e["JAXFT_LOCAL_DEVICE_IDS"]) for e in envs] == [("0", "0"), ("1", "1"), ("2", "2")]
@@ -51,7 +51,7 @@ def test_more_workers_than_gpus_is_an_error(tmp_path):
     r = run_jaxft("launch", "-n", "3", "--", PYTHON, "-c", "pass", env=env, timeout=30)
     assert r.returncode == 2, r.describe()
     assert "-n 3 workers but this node has 2 GPU(s) (0,1)" in r.stderr and "--gpus none" in r.stderr, r.describe()
-    r = run_jaxft("launch", "-n", "3", "--gpus", "none", "--", PYTHON, "-c", ENV_PRINTER, env=env, timeout=60)
+    r = run_jaxft("launch", "-n", "3", "--gpus", "none", "--console", "raw", "--", PYTHON, "-c", ENV_PRINTER, env=env, timeout=60)
     assert r.returncode == 0, r.describe()
     assert [e["JAXFT_LOCAL_DEVICE_IDS"] for e in _envs(r.stdout)] == [None, None, None]
 
@@ -63,7 +63,7 @@ def test_agent_numbers_its_workers_globally(tmp_path):
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as coord:
         try:
             r = run_jaxft("launch", "--nnodes", "3", "--node-rank", "2", "--coordinator", f"127.0.0.1:{port}",
-                          "--gloo-interface", "lo", "--", PYTHON, "-c", ENV_PRINTER, env=env, timeout=60)
+                          "--gloo-interface", "lo", "--console", "raw", "--", PYTHON, "-c", ENV_PRINTER, env=env, timeout=60)
         finally:
             coord.terminate()
             coord.wait(timeout=15)

@@ -42,3 +42,29 @@ def test_layout_covers_batch_exactly_once(g, d, m):
     assert (layout.arrange(x, pad_with_zeros=True)[mask == 0] == 0).all()
     if m:
         assert layout.micro_size <= m
+
+
+def test_grain_batches_same_examples_whatever_the_width():
+    """Step k is the same global batch for any split; each process's share is its positions."""
+    import jax
+
+    from jaxft.data import Layout
+    from jaxft.grain_source import GrainBatches
+
+    source = [{"x": np.full(3, i, np.float32), "y": np.int32(i)} for i in range(50)]
+    data = GrainBatches(source, global_batch=12, seed=5, num_threads=1, prefetch=1)
+    other = GrainBatches(source, global_batch=12, seed=5, num_threads=2, prefetch=3)
+    for step in (0, 3, 4, 9):  # 9 crosses into a later epoch
+        full = data.batch(step)
+        if step < 4:  # inside the first epoch: no example twice
+            assert len(set(full["y"].tolist())) == 12
+        jax.tree_util.tree_map(np.testing.assert_array_equal, full, other.batch(step))
+        for width in (1, 2, 3, 5):
+            layout = Layout.plan(12, width)
+            for d in range(width):
+                pos = layout.positions(d)
+                part = data.local_batch(step, pos)
+                np.testing.assert_array_equal(part["y"], full["y"][pos])
+                np.testing.assert_array_equal(part["x"], full["x"][pos])
+    epoch0 = np.concatenate([data.batch(s)["y"] for s in range(4)])[:50]  # 48 + 2 of step 4
+    assert len(set(epoch0[:48].tolist())) == 48  # a permutation within the epoch

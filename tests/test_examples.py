@@ -2,7 +2,7 @@
 
 import json
 
-from helpers import REPO, by_event, finals, run_jaxft, train
+from helpers import PYTHON, REPO, by_event, finals, run, run_jaxft, train
 
 EXAMPLES = REPO / "examples"
 
@@ -40,3 +40,31 @@ def test_flax_digits_with_a_kill(tmp_path):
     f = finals(ev)
     assert len(f) == 2 and len({e["params_sha256"] for e in f}) == 1
     assert all(e["test_accuracy"] > 0.3 for e in by_event(ev, "eval"))  # 12 steps from 10% chance
+
+
+# -- bring your own step (flax TrainState) and the Grain source: a kill changes nothing -------------
+
+def _kill_vs_fault_free(tmp_path, example: str, steps: str = "30"):
+    """Single process, then 3 processes with process 1 killed at step 8 (restarted, rejoins),
+    then 3 processes without faults: the last two end with one and the same params_sha256.
+    The sleep after each commit leaves the restarted process time to rejoin before the end."""
+    single = run([PYTHON, str(EXAMPLES / example), "--steps", "6"], timeout=180)
+    assert single.returncode == 0 and "done: step 6" in single.stdout, single.describe()
+    proc, ev = train(tmp_path / "kill", str(EXAMPLES / example), "--steps", steps, "--step_sleep", "0.4",
+                     faults=["kill:process=1:step=8"], restart="on-failure")
+    assert proc.returncode == 0, proc.describe()
+    assert by_event(ev, "fault", process=1) and by_event(ev, "rehydrated", process=1, incarnation=1)
+    clean, ev_clean = train(tmp_path / "clean", str(EXAMPLES / example), "--steps", steps)
+    assert clean.returncode == 0, clean.describe()
+    shas = {e["process"]: e["params_sha256"] for e in finals(ev)}
+    clean_shas = {e["process"]: e["params_sha256"] for e in finals(ev_clean)}
+    assert sorted(shas) == sorted(clean_shas) == [0, 1, 2], (shas, clean_shas)
+    assert len(set(shas.values())) == 1 and set(shas.values()) == set(clean_shas.values()), (shas, clean_shas)
+
+
+def test_flax_trainstate_own_step_survives_a_kill(tmp_path):
+    _kill_vs_fault_free(tmp_path, "flax_trainstate.py")
+
+
+def test_grain_source_survives_a_kill(tmp_path):
+    _kill_vs_fault_free(tmp_path, "grain_mlp.py")

@@ -218,7 +218,7 @@ def _workers_of(marker: str, launcher_pid: int) -> list[tuple[int, str]]:
 def _start_sleepers(tmp_path, marker, grace: float, stubborn: str = "1"):
     ready = tmp_path / "ready"
     ready.mkdir()
-    args = [*JAXFT, "launch", "-n", "3", "--grace", str(grace), "--run-dir", str(tmp_path / "run"), "--",
+    args = [*JAXFT, "launch", "-n", "3", "--console", "raw", "--grace", str(grace), "--run-dir", str(tmp_path / "run"), "--",
             *py(SLEEPER, str(ready), marker, stubborn)]
     return ready, args
 

@@ -21,7 +21,7 @@ from helpers import (ALLREDUCE_WORKER, JAXFT, PYTHON, by_event, events, launch, 
 def test_sigterm_ends_workers_before_the_service(tmp_path, marker):
     """Workers first, then the coordination service: no crash output, every exit recorded."""
     run = tmp_path / "run"
-    args = [*JAXFT, "launch", "-n", "3", "--run-dir", str(run), "--grace", "20", "--",
+    args = [*JAXFT, "launch", "-n", "3", "--run-dir", str(run), "--grace", "20", "--console", "raw", "--",
             PYTHON, str(ALLREDUCE_WORKER), "--seconds", "120", marker]
     with started(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         wait_for(lambda: len({e["process"] for e in by_event(events(run), "allreduce")}) == 3, timeout=90,

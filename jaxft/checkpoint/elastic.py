@@ -1,6 +1,8 @@
-"""Checkpoints of an :class:`~jaxft.ElasticTrainer`, and the cold restart when every process dies.
+"""Checkpoints of an :class:`~jaxft.ElasticTrainer` or :class:`~jaxft.ElasticLoop`, and the
+cold restart when every process dies.
 
-Checkpoint ``N`` is the state after ``N`` committed steps (params and optimizer state).
+Checkpoint ``N`` is the state after ``N`` committed steps (the loop's state pytree; for a
+trainer, params and optimizer state).
 The data position (``N * global_batch`` of the ``GlobalBatches`` permutation) and the
 RNG are functions of ``N`` and the seeds recorded in the metadata, so nothing else is
 saved. The state is replicated, so a run with another number of processes restores the
@@ -25,6 +27,15 @@ def _incarnations(record, trainer=None) -> dict[int, int] | None:
     if given and all(p in given for p in record.members):
         return {p: int(given[p]) for p in record.members}
     return None
+
+
+def _loop(trainer):
+    """The :class:`~jaxft.ElasticLoop` behind ``trainer`` (an ElasticTrainer, or the loop itself).
+    An ElasticTrainer's loop state is ``{"params", "opt_state"}``: the checkpoint format."""
+    trainer_pull = getattr(trainer, "_pull_view", None)
+    if trainer_pull is not None:
+        trainer_pull()
+    return getattr(trainer, "loop", trainer)
 
 
 def resolve_directory(directory: str | os.PathLike | None, environ=os.environ) -> str:
@@ -86,14 +97,12 @@ class ElasticCheckpointer:
 
     def restore(self, trainer) -> Restored | None:
         """Cold restore into ``trainer`` (before training); None if there is no usable checkpoint."""
-        from jaxft.trainer import TrainState
-
-        s = trainer.state
-        restored = self.store.restore_latest({"params": s.params, "opt_state": s.opt_state})
+        loop = _loop(trainer)
+        restored = self.store.restore_latest(loop.state)
         if restored is not None:
             if self.faults is not None:
                 self.faults.point("during-restore", restored.step)
-            trainer.restore(TrainState(restored.step, restored.tree["params"], restored.tree["opt_state"]))
+            loop.restore(restored.step, restored.tree)
             saved_data = dict((restored.metadata.get("user") or {}).get("data") or {})
             saved_data.pop("position", None)
             if saved_data and "data" in self.metadata and saved_data != self.metadata["data"]:
@@ -108,7 +117,7 @@ class ElasticCheckpointer:
         incs = _incarnations(record, trainer)
         self.store.notice_members(record.members, incs)
         self.store.poll()
-        step = trainer.state.step
+        step = _loop(trainer).step
         if self.every and step % self.every == 0:
             self.save(trainer, record, incarnations=incs)
 
@@ -123,15 +132,15 @@ class ElasticCheckpointer:
         record = record if record is not None else self._last_record
         if record is None:
             raise ValueError("save() needs the StepRecord of the commit to save (no commit seen yet)")
-        s = trainer.state
-        step = int(s.step)
+        loop = _loop(trainer)
+        step = int(loop.step)
         incs = incarnations if incarnations is not None else _incarnations(record, trainer)
         meta = dict(self.metadata)
         if "data" in meta:
             meta["data"] = dict(meta["data"], position=step * meta["data"]["global_batch"])
         meta["rng"] = "parameters and data order derive from the seeds above and the step"
         meta["members"] = list(record.members)
-        save = self.store.save(step, {"params": s.params, "opt_state": s.opt_state}, members=record.members,
+        save = self.store.save(step, loop.state, members=record.members,
                                incarnations=incs, metadata=meta)
         if self.faults is not None:
             self.faults.point("during-save", step)

@@ -64,6 +64,7 @@ Internals that remain, and why (no public equivalent in 0.12.8)
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import shutil
@@ -81,6 +82,39 @@ from orbax.checkpoint._src.serialization import tensorstore_utils as _ocp_ts_uti
 from jaxft import kv
 from jaxft.errors import SaveAbandoned
 from jaxft.timeouts import Timeouts
+
+# -- 0. Orbax's log lines that report what jaxft does on purpose ----------------------------------
+
+# Messages Orbax logs (through absl, i.e. the "absl" Python logger) on every save or rebuild
+# of a manager here, and which describe expected behaviour: demoted to DEBUG.
+_EXPECTED_MESSAGES = ("Given directory is read only", "No jax.Array in TypeHandlerRegistry")
+
+
+def _abandoned(exc: BaseException | None) -> bool:
+    """True when ``exc`` (or an exception it chains from) is jaxft's SaveAbandoned."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, SaveAbandoned):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+class _ExpectedFilter(logging.Filter):
+    """Demotes Orbax's expected warnings, and the tracebacks its background threads log for a
+    save that jaxft abandoned on purpose (a member died), to DEBUG one-liners."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        abandoned = record.exc_info is not None and _abandoned(record.exc_info[1])
+        if abandoned or any(m in str(record.msg) for m in _EXPECTED_MESSAGES):
+            if abandoned:
+                record.msg = f"{record.getMessage()} (abandoned on purpose: {record.exc_info[1]})"
+                record.args, record.exc_info, record.exc_text = (), None, None
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return True
+
+
+logging.getLogger("absl").addFilter(_ExpectedFilter())
 
 STATE_ITEM = "state"  # the one item of a jaxft checkpoint (Composite args)
 TMP_SUFFIX = ocp.path.step.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp": a save not published yet

@@ -1,0 +1,319 @@
+"""``ElasticLoop``: bring your own jitted train step and state pytree; jaxft makes it elastic.
+
+The layer between :class:`~jaxft.ElasticGroup` (the atomic step) and
+:class:`~jaxft.ElasticTrainer` (loss function + optax). You keep your step function and
+your state (a flax ``TrainState``, a dict of params and optimizer state, anything that is a
+pytree of arrays); jaxft runs each step inside one atomic block and handles the rest:
+
+* the mesh over the live devices (1-D, axis ``group.axis_name``, default ``"data"``), and a
+  jitted copy of your step per member set, with the new state replicated;
+* the global batch: step ``k`` always gets the same ``G`` examples from ``data``
+  (:class:`~jaxft.GlobalBatches` or :class:`~jaxft.GrainBatches`), split over the members,
+  zero-padded to a multiple of the device count, with a mask (1 = real example);
+* the retry: a step that a member did not finish is retried on the survivors with the same
+  batch; nothing is committed anywhere until every member finished;
+* the rejoin: a restarted process receives the step and state, bit for bit, from a donor;
+* the hooks: ``on_commit(loop, record)`` after every commit (checkpoints, logging).
+
+Your step: ``step_fn(state, batch, mask) -> (new_state, metrics)``, where ``batch`` is the
+global batch pytree ``[P, ...]`` sharded over the members (``P >= G``, padding masked out by
+``mask [P]``) and ``metrics`` a dict of scalars (a ``"loss"`` entry is logged with each commit).
+Normalise by the global batch size ``G`` (``loop.global_batch``), never by ``P`` or the number
+of devices, so a step computes the same whoever is alive::
+
+    def step_fn(state, batch, mask):
+        def loss_fn(params):
+            per_example = ...                              # [P]
+            return jnp.sum(per_example * mask) / G
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), {"loss": loss}
+
+    loop = jaxft.ElasticLoop(step_fn, state, data, runtime=rt)
+    state = loop.run(num_steps)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxft import rejoin, transfer
+from jaxft.data import shard_batch, step_batch
+from jaxft.errors import ConsistencyError, RetryBudgetExceeded, StepFailed, TooFewMembers
+from jaxft.events import EventLog
+from jaxft.faults import FaultInjector
+from jaxft.membership import ElasticGroup, Members
+from jaxft.types import PyTree
+
+logger = logging.getLogger(__name__)
+
+StepFn = Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, dict]]  # (state, batch, mask) -> (state, metrics)
+
+
+class _Skip(Exception):
+    """Leave a step without committing (all members agree on why)."""
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """What one commit produced (passed to ``on_commit``)."""
+
+    step: int
+    loss: float | None
+    members: tuple[int, ...]
+    generation: int
+    incarnations: dict[int, int] = dataclasses.field(default_factory=dict)  # process -> service incarnation
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def replicate(tree: PyTree, mesh: Mesh) -> PyTree:
+    """A replicated global view of this process's copy (no data moves between processes)."""
+    sharding = NamedSharding(mesh, P())
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+
+    def one(x):
+        x = np.asarray(x) if not isinstance(x, jax.Array) else x
+        return jax.make_array_from_single_device_arrays(np.shape(x), sharding,
+                                                        [jax.device_put(x, d) for d in local])
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def local_copy(tree: PyTree) -> PyTree:
+    """This process's copy of a replicated tree, as single-device arrays."""
+    return jax.tree_util.tree_map(lambda x: x.addressable_data(0), tree)
+
+
+def to_host(tree: PyTree) -> PyTree:
+    return jax.tree_util.tree_map(lambda x: np.array(x), tree)
+
+
+def canonical(tree: PyTree) -> PyTree:
+    """Host leaves (Python scalars, numpy arrays) as numpy arrays of the dtype JAX would give
+    them (``0`` -> int32 without x64): the state has the same bytes on a process that has not
+    stepped yet as on one holding a step's output, as the rejoin's transfer requires."""
+    def one(x):
+        if isinstance(x, jax.Array):
+            return x
+        a = np.asarray(x)
+        return a.astype(jax.dtypes.canonicalize_dtype(a.dtype), copy=False)
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def _scalars(metrics: Any) -> dict[str, float]:
+    if not isinstance(metrics, dict):
+        metrics = {"loss": metrics} if metrics is not None else {}
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, jax.Array) and not v.is_fully_addressable:
+            v = v.addressable_data(0)
+        out[str(k)] = float(np.asarray(v))
+    return out
+
+
+class ElasticLoop:
+    """Runs your step function elastically (see the module docstring).
+
+    Args:
+      step_fn: ``(state, batch, mask) -> (new_state, metrics)``; jitted here once per member
+        set with replicated outputs (an already-jitted function is fine).
+      state: the initial state pytree (every process must pass the same values).
+      data: maps a step to its global batch: ``.batch(step)`` and ``.global_batch``.
+      runtime: what :func:`jaxft.initialize` returned (events and fault points).
+      make_step: instead of ``step_fn``, ``mesh -> callable`` building the step for a mesh
+        (for steps whose code depends on the mesh).
+      micro_batch: with ``stacked``, examples per device per micro-batch.
+      stacked: give the step ``batch [M, D*m, ...]`` and ``mask [M, D*m]`` (``M``
+        micro-batches, for gradient accumulation inside the step) instead of ``[P, ...]``.
+      check_every: every N steps, verify that all members hold bitwise-identical state.
+      on_commit: ``(loop, record)`` after every commit.
+      min_members: commit no step with fewer live processes than this; wait for more (up to
+        ``Timeouts.barrier``), then raise :class:`~jaxft.errors.TooFewMembers`.
+      max_attempts: failed attempts in a row at one step before
+        :class:`~jaxft.errors.RetryBudgetExceeded` (None: unbounded).
+    """
+
+    def __init__(self, step_fn: StepFn | None, state: PyTree, data, *, runtime=None,
+                 events: EventLog | None = None, faults: FaultInjector | None = None,
+                 make_step: Callable[[Mesh], Callable] | None = None, micro_batch: int | None = None,
+                 stacked: bool = False, check_every: int = 0, group: ElasticGroup | None = None,
+                 on_commit: Callable[[Any, StepRecord], None] | None = None, step: int = 0,
+                 min_members: int = 1, max_attempts: int | None = 100):
+        if (step_fn is None) == (make_step is None):
+            raise ValueError("pass exactly one of step_fn and make_step")
+        if min_members < 1:
+            raise ValueError(f"min_members must be >= 1, got {min_members}")
+        if max_attempts is not None and max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1 or None, got {max_attempts}")
+        self.min_members = min_members
+        self.max_attempts = max_attempts
+        self._too_few: tuple[int, ...] | None = None
+        self._last_failure = ""
+        self.step_fn = step_fn
+        self.make_step = make_step
+        self.data = data
+        self.micro_batch = micro_batch
+        self.stacked = stacked
+        self.check_every = check_every
+        self.events = events or (runtime.events if runtime is not None else EventLog(None, jax.process_index()))
+        self.faults = faults or (runtime.faults if runtime is not None else FaultInjector([], jax.process_index()))
+        self.group = group or ElasticGroup()
+        self.on_commit = on_commit
+        self.step = step  # steps committed
+        self.state = canonical(state)
+        self.last_metrics: dict[str, float] = {}
+        self._compiled: dict[tuple[int, ...], Callable] = {}
+        # The last step's replicated outputs, reused while the members and the state stay the same.
+        self._global: tuple | None = None  # (device ids, ids of the local leaves, global state)
+        self.group.on_reset(before=self._state_to_host, after=self._compiled.clear)
+
+    @property
+    def global_batch(self) -> int:
+        return int(self.data.global_batch)
+
+    @property
+    def last_loss(self) -> float | None:
+        return self.last_metrics.get("loss")
+
+    # -- state --------------------------------------------------------------------------
+    def _state_to_host(self) -> None:
+        self._global = None
+        self.state = to_host(self.state)
+
+    def restore(self, step: int, state: PyTree) -> None:
+        """Continue from ``(step, state)`` (e.g. a checkpoint) instead of the initial state."""
+        self.step, self.state, self._global = int(step), canonical(state), None
+
+    def _fn(self, m: Members) -> Callable:
+        key = tuple(d.id for d in m.devices)
+        fn = self._compiled.get(key)
+        if fn is None:
+            if self.make_step is not None:
+                fn = self.make_step(m.mesh)
+            else:
+                fn = jax.jit(self.step_fn, out_shardings=NamedSharding(m.mesh, P()))
+            self._compiled[key] = fn
+        return fn
+
+    def _replicated(self, state: PyTree, m: Members) -> PyTree:
+        g = self._global
+        leaves = jax.tree_util.tree_leaves(state)
+        if (g is not None and g[0] == tuple(d.id for d in m.devices) and len(g[1]) == len(leaves)
+                and all(a is b for a, b in zip(g[1], leaves))):
+            return g[2]
+        return replicate(state, m.mesh)
+
+    def _sync_state(self, m: Members) -> tuple[int, PyTree, rejoin.Rehydration | None]:
+        """Agree on the step; rehydrate members behind the latest one from a donor (see jaxft.rejoin)."""
+        steps, self.group.generation = rejoin.agree_steps(self.step, self.group.generation, m)
+        return rejoin.rehydrate(self.step, self.state, m, self.group.process_id, steps,
+                                on_start=lambda: self.faults.point("during-rehydrate", self.step))
+
+    def _batch(self, step: int, m: Members) -> tuple[PyTree, jax.Array]:
+        micro = self.micro_batch if self.stacked else None
+        return shard_batch(step_batch(self.data, step, m.mesh, micro), m.mesh, self.group.axis_name, micro,
+                           flat=not self.stacked)
+
+    # -- the loop -----------------------------------------------------------------------
+    def run(self, num_steps: int, before_attempt: Callable[[], None] | None = None) -> PyTree:
+        """Run until ``num_steps`` steps are committed; returns the final state.
+
+        A process that starts (or restarts) after its peers finished this run exits 0
+        (``SystemExit``) instead of running it again on its own. With fewer live members
+        than ``min_members`` no step commits (the members wait, bounded); a step that fails
+        ``max_attempts`` times in a row raises.
+        """
+        self.group.target = num_steps
+        if self.group.run_finished():  # restarted after the others finished: never train on alone
+            self.events.log("run_already_finished", step=self.step, target=num_steps)
+            logger.info("process %d: the others already finished this run; exiting 0", self.group.process_id)
+            raise SystemExit(0)
+        self.group.hang.finished(False)
+        self.group.hang.on_hung = lambda info: self.events.log("hung", step=self.step, **info)
+        self.events.log("train_start", step=self.step, total_steps=num_steps)
+        failures, waiting_since = 0, None
+        while self.step < num_steps:
+            if before_attempt is not None:
+                before_attempt()
+            step = self.step
+            record = self.try_step()
+            if record is not None:
+                failures, waiting_since = 0, None
+            elif self._too_few is not None:  # nothing failed: too few members to commit
+                waiting_since = waiting_since or time.monotonic()
+                if time.monotonic() - waiting_since > self.group.timeouts.barrier:
+                    raise TooFewMembers(f"only processes {list(self._too_few)} are alive, fewer than min_members="
+                                        f"{self.min_members}, for {self.group.timeouts.describe('barrier')}")
+                time.sleep(self.group.poll_s)
+            else:
+                failures += 1
+                if self.max_attempts is not None and failures >= self.max_attempts and self.step == step:
+                    raise RetryBudgetExceeded(f"step {step} failed {failures} times in a row "
+                                              f"(max_attempts={self.max_attempts}); last: {self._last_failure}")
+        self.group.finish(self.step)
+        self.log_final()
+        return self.state
+
+    def try_step(self) -> StepRecord | None:
+        """One attempt at the next step; None if it failed (nothing was committed)."""
+        step = self.step
+        self._too_few = None
+        self.faults.point("before-step", step)
+        try:
+            with self.group.step() as m:
+                if len(m.process_ids) < self.min_members:  # every member sees the same m: all skip
+                    self._too_few = m.process_ids
+                    raise _Skip
+                state, rehydrated = self.state, None
+                if m.gained:
+                    step, state, rehydrated = self._sync_state(m)
+                fn = self._fn(m)
+                batch, mask = self._batch(step, m)
+                new_global, metrics = fn(self._replicated(state, m), batch, mask)
+                jax.block_until_ready((new_global, metrics))
+                self.faults.point("after-grad", step)
+                new_state = local_copy(new_global)
+                if self.check_every and (step + 1) % self.check_every == 0:
+                    bad = transfer.check_consistent(new_state, m.mesh)
+                    if bad:
+                        raise ConsistencyError(step + 1, bad)
+                scalars = _scalars(metrics)
+        except StepFailed as e:
+            self._last_failure = str(e)
+            self.events.log("step_failed", step=step, failed=list(e.failed),
+                            cause=str(e.cause).splitlines()[0][:300] if e.cause else "membership changed")
+            return None
+        except _Skip:
+            self.events.log("step_waiting", step=step, members=list(self._too_few), min_members=self.min_members)
+            return None
+        if rehydrated is not None:
+            self.events.log("join", step=rehydrated.from_step, process=self.group.process_id)
+            self.events.log("rehydrated", **dataclasses.asdict(rehydrated))
+        self.step, self.state = step + 1, new_state
+        self._global = (tuple(d.id for d in m.devices), jax.tree_util.tree_leaves(new_state), new_global)
+        self.last_metrics = scalars
+        generation = self.group.generation  # agreed with the donor's after a rejoin
+        record = StepRecord(step, scalars.get("loss"), m.process_ids, generation, dict(m.incarnations), scalars)
+        self.events.log("commit", step=step, members=list(m.process_ids), generation=generation,
+                        loss=scalars.get("loss"))
+        if self.on_commit is not None:
+            self.on_commit(self, record)
+        self.faults.point("after-commit", step)
+        return record
+
+    def log_final(self, params: PyTree | None = None) -> dict:
+        """Log the ``final`` event with the sha256 of ``params`` (default: the state's ``params``
+        field or key if it has one, else the whole state)."""
+        tree = params
+        if tree is None:
+            s = self.state
+            tree = s["params"] if isinstance(s, dict) and "params" in s else getattr(s, "params", s)
+        return self.events.log("final", step=self.step, params_sha256=transfer.tree_sha256(tree),
+                               params_norm=transfer.tree_norm(tree), loss=self.last_loss)

@@ -1,0 +1,59 @@
+"""The progress console: what a person sees of a run, and where the rest of it goes."""
+
+from helpers import MLP, PYTHON, launch
+
+from jaxft.console import RunTracker
+
+
+def _ev(t, event, **fields):
+    return {"time": float(t), "event": event, "incarnation": fields.pop("incarnation", 0), **fields}
+
+
+def test_tracker_tells_one_story_per_incident():
+    m3 = [0, 1, 2]
+    events = [_ev(0, "run_start", process="launcher"), _ev(1, "train_start", process=0, total_steps=10)]
+    events += [_ev(2 + s, "commit", process=p, step=s, members=m3, loss=1.0) for s in range(5) for p in m3]
+    events += [_ev(7.0, "fault", process=2, step=5, action="kill"),
+               _ev(7.1, "exit", process=2, signal="SIGKILL"), _ev(7.1, "restart", process=2, incarnation=1),
+               _ev(8.0, "step_failed", process=0, step=5), _ev(8.0, "step_failed", process=1, step=5),
+               _ev(8.5, "commit", process=0, step=5, members=[0, 1]),
+               _ev(8.5, "commit", process=1, step=5, members=[0, 1]),
+               _ev(9.0, "commit", process=0, step=6, members=[0, 1])]
+    tracker = RunTracker(3)
+    stories = [s for e in events for s in tracker.feed(e)]
+    assert stories == []  # process 2 is not back yet
+    assert tracker.step == 7 and tracker.width == 2 and tracker.incidents_seen == 1 and tracker.total == 10
+    back = [_ev(10.0, "rehydrated", process=2, incarnation=1, step=7, from_step=0, donor=0, bytes=10, seconds=0.25),
+            _ev(10.1, "commit", process=0, step=7, members=m3), _ev(10.1, "commit", process=2, step=7, members=m3)]
+    stories = [s for e in back for s in tracker.feed(e)]
+    assert stories == ["process 2 died at step 5 (SIGKILL); 2 members retried step 5 in 1.5 s; "
+                       "process 2 rejoined at step 7, rehydrated from process 0 in 0.2 s"]
+    assert "step 8/10" in tracker.line(11.0) and "incidents 1" in tracker.line(11.0)
+
+
+def test_progress_console_is_short_and_the_logs_hold_the_rest(tmp_path):
+    r = launch(2, [PYTHON, MLP, "--steps", "16", "--checkpoint_every", "4"], "--restart", "on-failure",
+               "--fault", "kill:process=1:step=6", "--progress-every", "1000", run_dir=tmp_path,
+               console="progress", timeout=180)
+    assert r.returncode == 0, r.describe()
+    lines = r.stdout.splitlines()
+    incidents = [l for l in lines if l.startswith("[jaxft] incident: ")]
+    assert len(incidents) == 1 and incidents[0].startswith("[jaxft] incident: process 1 died at step 6 (SIGKILL)"), \
+        r.stdout
+    assert "Traceback" not in r.stdout + r.stderr and not any(l.startswith("[0]") for l in lines), r.stdout
+    assert "2 processes finished at step 16 with identical params" in r.stdout, r.stdout
+    assert len(lines) <= 8, r.stdout
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert logs == ["launcher.log", "process-0.incarnation-0.log", "process-1.incarnation-0.log",
+                    "process-1.incarnation-1.log"], logs
+    assert "done: step 16" in (tmp_path / "logs" / "process-0.incarnation-0.log").read_text()
+    assert "restarting process 1" in (tmp_path / "logs" / "launcher.log").read_text()
+
+
+def test_a_failing_worker_shows_its_last_lines(tmp_path):
+    code = "import os, sys\nprint('about to fail', flush=True)\nsys.exit(int(os.environ['JAXFT_PROCESS_ID']) * 3)"
+    r = launch(2, [PYTHON, "-c", code], run_dir=tmp_path, console="progress", timeout=60)
+    assert r.returncode == 1, r.describe()
+    assert "[jaxft] process 1 exited with code 3; its last lines" in r.stdout, r.stdout
+    assert "    | about to fail" in r.stdout, r.stdout
+    assert "process 0 exited" not in r.stdout
