@@ -282,6 +282,7 @@ import collections, glob, json, os, sys
 import numpy as np
 import ml_dtypes
 from jaxft.checkpoint import CheckpointMismatch, CheckpointStore, state_checksum, flatten_state
+from jaxft.errors import CheckpointError
 from jaxft.checkpoint.orbax import PrimaryNumpyHandler, set_barrier_timeout
 from jaxft.events import EventLog, read_events
 
@@ -347,7 +348,11 @@ meta_file = os.path.join(root, "ck2", "1", "_CHECKPOINT_METADATA")
 meta = json.load(open(meta_file))
 meta["custom_metadata"]["checksum"] = "sha256:" + "0" * 64
 json.dump(meta, open(meta_file, "w"))
-out["tampered"] = other_store.restore_latest(tree) is None
+try:  # its only checkpoint rejected: an error, never a silent start from step 0
+    other_store.restore_latest(tree)
+    out["tampered"] = False
+except CheckpointError as e:
+    out["tampered"] = "every checkpoint in" in str(e) and "refusing to start over" in str(e)
 out["tampered_reason"] = [e["reason"] for e in read_events(root)
                           if e["event"] == "checkpoint_rejected" and "ck2" in e["path"]]
 
