@@ -144,6 +144,14 @@ def check_no_partial_cluster(environ: Mapping[str, str]) -> None:
 
 # -- the address CPU collectives advertise -------------------------------------------------------
 
+def interface_problem(name: str) -> str | None:
+    """Why ``name`` cannot be gloo's interface on this host (None when it exists)."""
+    names = [n for _, n in socket.if_nameindex()]
+    if name in names:
+        return None
+    return f"network interface {name!r} does not exist on this host (it has: {', '.join(names)})"
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback

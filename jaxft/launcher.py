@@ -27,6 +27,7 @@ import time
 from typing import Iterator, Sequence, TextIO
 
 from jaxft import envvars
+from jaxft.cluster import interface_problem
 from jaxft.console import CONSOLE_MODES, Console
 from jaxft.coordinator import Coordinator, wait_reachable
 from jaxft.errors import EXIT_CONFIG_ERROR, LaunchError, TimeoutsError
@@ -126,6 +127,8 @@ class LaunchConfig:
             raise LaunchError(f"--grace must be >= 0, got {self.grace_s:g}")
         if self.run_dir is not None:
             _check_run_dir(self.run_dir)
+        if self.gloo_interface and (problem := interface_problem(self.gloo_interface)):
+            raise LaunchError(f"--gloo-interface: {problem}")
         self.resolved_timeouts()
         if self.console not in CONSOLE_MODES:
             raise LaunchError(f"--console must be one of {CONSOLE_MODES}, got {self.console!r}")

@@ -193,6 +193,8 @@ def initialize(coordinator_address: str | None = None,
     gloo_hostname = environ.get(envvars.GLOO_HOSTNAME) or None
     if gloo_interface is None and gloo_hostname is None:
         cluster.check_gloo_reachable(coordinator_address, num_processes, environ)
+    elif gloo_interface is not None and (problem := cluster.interface_problem(gloo_interface)):
+        raise InitializeError(f"gloo_interface: {problem}")
 
     configure_environment(collective_timeout, environ)
     jax.config.update("jax_enable_recoverability", True)

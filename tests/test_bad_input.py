@@ -34,6 +34,7 @@ LAUNCH = [
     (["--gpus", "one", "-n", "1"], "--gpus takes auto, all, none or a list like 0,1,2"),
     (["--gpus", "0,1", "-n", "3"], "-n 3 workers but this node has 2 GPU(s)"),
     (["--grace", "-1", "-n", "1"], "--grace must be >= 0"),
+    (["--gloo-interface", "nonexistent0", "-n", "1"], "--gloo-interface: network interface 'nonexistent0' does not"),
     (["-n", "1", "--", "/no/such/worker"], "worker command '/no/such/worker' not found"),
 ]
 

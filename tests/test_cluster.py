@@ -9,6 +9,8 @@ import pytest
 
 from helpers import PYTHON, REPO, clean_env, free_port, run_python
 
+pytestmark = pytest.mark.smoke  # jax's cluster detection is private API: check it on every jax
+
 SUM = """
 import json, sys
 import jaxft

@@ -245,3 +245,16 @@ def test_cpu_rendezvous_keys_and_live_devices_state(tmp_path):
     assert out["rekeyed"] is True, moved("live_devices.devices can no longer be re-keyed")
     assert out["live_after"] == [0, 1], out
     assert out["sum_after"] == out["sum_before"], out
+
+
+def test_gloo_interface_reregisters_the_cpu_backend(tmp_path):
+    """_compat.use_gloo_address swaps the CPU backend factory (private xla_bridge) so gloo
+    binds a named interface; two processes must still all-reduce through it, also after the
+    data-plane rebuild that re-creates the backend from that factory."""
+    from helpers import ALLREDUCE_WORKER
+
+    r = launch(2, [sys.executable, str(ALLREDUCE_WORKER), "--seconds", "4"], "--gloo-interface", "lo",
+               run_dir=tmp_path, timeout=120)
+    assert r.returncode == 0, moved("the CPU backend factory can no longer be re-registered") + "\n" + r.describe()
+    rounds = by_event(events(tmp_path), "allreduce")
+    assert {tuple(e["members"]) for e in rounds} == {(0, 1)} and len(rounds) >= 4, r.describe()
