@@ -32,7 +32,7 @@ from jax.experimental import multihost_utils
 from jax.extend import backend as jax_backend
 from jax.sharding import Mesh
 
-from jaxft import _compat, kv
+from jaxft import _compat, admission as admission_lib, kv
 from jaxft import timeouts as timeouts_lib
 from jaxft.errors import StepFailed
 from jaxft.rejoin import is_new
@@ -88,7 +88,17 @@ class ElasticGroup:
     """
 
     def __init__(self, axis_name: str = "data", barrier_timeout_s: float | None = None, poll_s: float = 0.5,
-                 timeouts: Timeouts | None = None):
+                 timeouts: Timeouts | None = None, admission: str = "connect"):
+        if admission not in ("connect", "ready"):
+            raise ValueError(f"admission must be 'connect' or 'ready', got {admission!r}")
+        # connect: a process is a member from its first step (the members wait for it at their
+        # next step); ready: it stays out of the members' barrier until admitted (jaxft.admission;
+        # its caller must carry votes through each step, as ElasticTrainer does).
+        self.admission = admission
+        self._barrier_pids: list[int] | None = None  # process ids of the next step's barrier
+        self._admitting: set[int] = set()
+        self._watcher: admission_lib.ReadyWatcher | None = None
+        self._published: tuple[int, ...] | None = None
         self.axis_name = axis_name
         self.timeouts = (timeouts or timeouts_lib.current()).replace(barrier=barrier_timeout_s)
         self.barrier_timeout_s = self.timeouts.barrier
@@ -139,10 +149,16 @@ class ElasticGroup:
         outlasts ``Timeouts.barrier``, it exits with :data:`EXIT_BARRIER_TIMEOUT`
         rather than hang forever (``live_devices`` has no timeout of its own).
         """
-        cm = multihost_utils.live_devices(jax.devices())
+        cm = multihost_utils.live_devices(self._barrier_devices())
         try:
             with self._watch("entering a step"):
+                if self.admission == "ready":
+                    # Query liveness at entry too: a member that died between steps is left out
+                    # before anyone starts a collective with it (launcher deaths are published
+                    # at once, see jaxft.deathnotice), and admitted joiners meet the members here.
+                    _compat.forget_live_devices()
                 devices = cm.__enter__()
+                self._admitting.clear()
             try:
                 members = self._enter(devices)
                 yield members
@@ -158,6 +174,64 @@ class ElasticGroup:
             raise StepFailed({d.process_index for d in e.failed_devices}, e.__cause__) from e
         finally:
             _compat.rekey_live_devices(jax.devices())
+
+    # -- admission (admission="ready") -------------------------------------------------
+    def _barrier_devices(self) -> list[jax.Device]:
+        """The devices of the next step's ``live_devices``: every device (connect mode, or a
+        cold start), else the members' plus those admitted at the last commit."""
+        if self.admission == "connect":
+            return jax.devices()
+        if self._barrier_pids is None:
+            self._barrier_pids = self._join()
+        else:
+            live = {d.process_index for d in _compat.live_device_map()}
+            self._barrier_pids = sorted((live or set(self._barrier_pids)) | self._admitting)
+        pids = set(self._barrier_pids)
+        return [d for d in jax.devices() if d.process_index in pids]
+
+    def _join(self) -> list[int]:
+        """This process's first step: the barrier's process ids (waits to be admitted when
+        a run is going on; every process on a cold start)."""
+        everyone = sorted({d.process_index for d in jax.devices()})
+        joiner = admission_lib.Joiner(self.process_id, self.timeouts)
+        running = joiner.running_members(settle_s=max(1.5, 0.5 * self.timeouts.heartbeat))
+        if running is None:
+            return everyone
+        if self.process_id in running:
+            # The members have not noticed this process's previous life end: they wait for it.
+            return sorted(running)
+        joiner.announce()
+        t0 = time.monotonic()
+        with self._watch("waiting to be admitted"):
+            pids = joiner.wait_admitted()
+        logger.info("process %d admitted after %.2f s with %s", self.process_id, time.monotonic() - t0, pids)
+        return pids
+
+    def votes(self, members: Members) -> "np.ndarray":
+        """This member's view of the ready joiners (int32 per process id), to be reduced with
+        max across the members inside the step (the result is :meth:`admit`'s argument)."""
+        import numpy as np
+
+        if self.admission != "ready":
+            return np.zeros(jax.process_count(), np.int32)
+        if self._watcher is None:
+            self._watcher = admission_lib.ReadyWatcher(jax.process_count())
+        return self._watcher.votes(members.process_ids)
+
+    def admit(self, members: Members, agreed_votes) -> tuple[int, ...]:
+        """After a commit: the joiners every member agreed on enter at the next step."""
+        if self.admission != "ready":
+            return ()
+        if self._published != members.process_ids:
+            self._published = members.process_ids
+            if self.process_id == members.process_ids[0]:
+                admission_lib.publish_members(members.process_ids)
+        joiners = tuple(p for p, v in enumerate(agreed_votes) if v and p not in members.process_ids)
+        if joiners:
+            self._admitting = set(joiners)
+            assert self._watcher is not None
+            self._watcher.admit(joiners, sorted(set(members.process_ids) | set(joiners)))
+        return joiners
 
     # -- bounded waiting --------------------------------------------------------------
     def finish(self) -> None:

@@ -49,13 +49,17 @@ class StepRecord:
 
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, global_batch: int,
-                    mesh: Mesh) -> Callable:
+                    mesh: Mesh, with_votes: bool = False) -> Callable:
     """Jitted ``(params, opt_state, batch[M, D*m, ...], mask[M, D*m]) -> (params, opt_state, loss)``.
 
     Scans over the ``M`` micro-batches, summing per-example losses times the mask, and
     divides by ``global_batch``: the gradient does not depend on how many devices hold
     the batch. The cross-device sum is the all-reduce XLA inserts for the replicated
     params.
+
+    With ``with_votes`` it also takes ``votes[D, P]`` (one row per device, sharded) and
+    returns their max over devices, replicated: admission votes agreed inside the step's
+    own collectives (:mod:`jaxft.admission`), at no extra round trip.
     """
     replicated = NamedSharding(mesh, P())
 
@@ -76,7 +80,20 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, gl
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss_sum / global_batch
 
-    return jax.jit(step, out_shardings=(replicated, replicated, replicated))
+    if not with_votes:
+        return jax.jit(step, out_shardings=(replicated, replicated, replicated))
+
+    def step_with_votes(params, opt_state, batch, mask, votes):
+        return (*step(params, opt_state, batch, mask), jnp.max(votes, axis=0))
+
+    return jax.jit(step_with_votes, out_shardings=(replicated,) * 4)
+
+
+def _votes_array(votes: np.ndarray, mesh: Mesh, axis_name: str) -> jax.Array:
+    """This process's vote row on each of its devices, as a global ``[D, P]`` array."""
+    n = mesh.devices.size
+    rows = np.broadcast_to(votes, (n, votes.size))
+    return jax.make_array_from_callback((n, votes.size), NamedSharding(mesh, P(axis_name)), lambda i: rows[i])
 
 
 def _replicate(tree: PyTree, mesh: Mesh) -> PyTree:
@@ -127,7 +144,9 @@ class ElasticTrainer:
         self.check_every = check_every
         self.events = events or (runtime.events if runtime is not None else EventLog(None, jax.process_index()))
         self.faults = faults or (runtime.faults if runtime is not None else FaultInjector([], jax.process_index()))
+        # admission="ready" (experimental, see jaxft.admission) needs the votes this loop carries.
         self.group = group or ElasticGroup()
+        self._votes = self.group.admission == "ready"
         self.on_commit = on_commit
         self.state = TrainState(0, params, optimizer.init(params))
         self.last_loss: float | None = None
@@ -150,7 +169,8 @@ class ElasticTrainer:
         key = tuple(d.id for d in members.devices)
         fn = self._steps.get(key)
         if fn is None:
-            fn = make_train_step(self.loss_fn, self.optimizer, self.data.global_batch, members.mesh)
+            fn = make_train_step(self.loss_fn, self.optimizer, self.data.global_batch, members.mesh,
+                                 with_votes=self._votes)
             self._steps[key] = fn
         return fn
 
@@ -193,7 +213,12 @@ class ElasticTrainer:
                 step = state.step
                 fn = self._train_step(m)
                 batch, mask = shard_batch(self.data.batch(step), m.mesh, self.group.axis_name, self.micro_batch)
-                params, opt_state, loss = fn(*self._replicated(state, m), batch, mask)
+                if self._votes:
+                    votes = _votes_array(self.group.votes(m), m.mesh, self.group.axis_name)
+                    params, opt_state, loss, agreed = fn(*self._replicated(state, m), batch, mask, votes)
+                    agreed = np.asarray(agreed.addressable_data(0))
+                else:
+                    params, opt_state, loss = fn(*self._replicated(state, m), batch, mask)
                 jax.block_until_ready((params, opt_state, loss))
                 self.faults.point("after-grad", step)
                 new_params = _local(params)
@@ -216,6 +241,10 @@ class ElasticTrainer:
         generation = self.group.generation  # agreed with the donor's after a rejoin
         record = StepRecord(step, loss, m.process_ids, generation, dict(m.incarnations))
         self.events.log("commit", step=step, members=list(m.process_ids), generation=generation, loss=loss)
+        if self._votes:
+            admitted = self.group.admit(m, agreed)
+            if admitted:
+                self.events.log("admit", step=step + 1, joiners=list(admitted))
         if self.on_commit is not None:
             self.on_commit(self, record)
         self.faults.point("after-commit", step)

@@ -26,6 +26,9 @@ flags.DEFINE_float("step_sleep", 0.0, "seconds to sleep after each commit (to st
 flags.DEFINE_integer("checkpoint_every", 0, "async Orbax checkpoint every K committed steps (0: off); "
                      "on start, restore the latest complete checkpoint if there is one")
 flags.DEFINE_string("checkpoint_dir", None, "checkpoint directory (default: $JAXFT_RUN_DIR/checkpoints)")
+flags.DEFINE_enum("admission", "connect", ["connect", "ready"],
+                  "connect: a restarted process is a member from its first step; ready: it enters "
+                  "when admitted (experimental, jaxft.admission)")
 flags.DEFINE_integer("keep", 3, "complete checkpoints to keep (max_to_keep; 0: keep all)")
 
 
@@ -100,7 +103,7 @@ def main(argv):
 
     trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params, data, runtime=rt,
                                    micro_batch=FLAGS.micro_batch or None, check_every=FLAGS.check_every,
-                                   on_commit=on_commit)
+                                   on_commit=on_commit, group=jaxft.ElasticGroup(admission=FLAGS.admission))
     if ckpt is not None:
         restored = ckpt.restore(trainer)  # cold restore: every process, independently
         if restored is not None:
