@@ -23,6 +23,7 @@ barrier over every device, as all processes do at the start of a run.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -60,6 +61,8 @@ class ReadyWatcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jaxft-ready-watcher", daemon=True)
         self._thread.start()
+        # Stop before interpreter teardown: a daemon thread inside a gRPC call then aborts the process.
+        atexit.register(self.stop)
 
     def _run(self) -> None:
         c = kv.client()
@@ -101,6 +104,8 @@ class ReadyWatcher:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
 
 
 class Joiner:
@@ -147,8 +152,6 @@ class Joiner:
             except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED: not yet
                 if "DEADLINE" not in str(e) and "timed out" not in str(e).lower():
                     raise
-            if kv.run_finished():
-                raise BarrierTimeout("the run finished before this process was admitted")
             if time.monotonic() - t0 > self.timeouts.admission:
                 raise BarrierTimeout(f"process {self.process_id} was not admitted within "
                                      f"{self.timeouts.describe('admission')}")

@@ -118,6 +118,7 @@ class _Worker:
     returncode: int | None = None
     stopped_since: float | None = None
     restart_at: float | None = None  # a restart is pending until this time
+    died_at: float | None = None  # wall-clock time its last incarnation exited
     reader: threading.Thread | None = None
 
 
@@ -165,6 +166,8 @@ class Launcher:
             "PYTHONUNBUFFERED": "1",
         })
         self.timeouts.export(env)
+        if worker.died_at is not None:
+            env[envvars.DIED_AT] = f"{worker.died_at:.3f}"
         if c.run_dir:
             env[envvars.RUN_DIR] = os.path.abspath(c.run_dir)
         if c.gpus is not None:
@@ -282,7 +285,7 @@ class Launcher:
                 if w.reader is not None:
                     w.reader.join(timeout=2)
                 self._record_exit(w, code, reason)
-                w.returncode = code
+                w.returncode, w.died_at = code, time.time()
                 if code != 0 and c.restart == "all" and w.restarts < c.max_restarts:
                     self._restart_everyone(w, now)
                 elif code != 0 and c.restart == "on-failure" and w.restarts < c.max_restarts:

@@ -149,18 +149,16 @@ class ElasticGroup:
         outlasts ``Timeouts.barrier``, it exits with :data:`EXIT_BARRIER_TIMEOUT`
         rather than hang forever (``live_devices`` has no timeout of its own).
         """
-        cm = multihost_utils.live_devices(self._barrier_devices())
+        if self.admission == "ready":
+            with self._ready_step() as members:
+                yield members
+            return
+        cm = multihost_utils.live_devices(jax.devices())
         try:
             with self._watch("entering a step"):
-                if self.admission == "ready":
-                    # Query liveness at entry too: a member that died between steps is left out
-                    # before anyone starts a collective with it (launcher deaths are published
-                    # at once, see jaxft.deathnotice), and admitted joiners meet the members here.
-                    _compat.forget_live_devices()
                 devices = cm.__enter__()
-                self._admitting.clear()
             try:
-                members = self._enter(devices)
+                members = self._enter(devices, _compat.live_device_map())
                 yield members
             except BaseException as e:
                 with self._watch("leaving a failed step"):
@@ -175,34 +173,71 @@ class ElasticGroup:
         finally:
             _compat.rekey_live_devices(jax.devices())
 
+    @contextlib.contextmanager
+    def _ready_step(self) -> Iterator[Members]:
+        """The step of ready admission: ``live_devices``' protocol on ``get_live_nodes``, with a
+        query at entry as well as at exit, and the exit query over the entry's live set.
+
+        The entry query (over the members plus those admitted) leaves out a member the
+        service already knows dead before anyone starts a collective with it, and is where
+        admitted joiners meet the members. The exit query runs over the processes that
+        entered, so a restarted incarnation of a process that was left out is never pulled
+        into the members' barrier before it is ready (``live_devices`` would query its
+        argument again). Costs one more round trip per step than ``live_devices``.
+        """
+        client = kv.client()
+        pids = self._barrier_pids_next()
+        with self._watch("entering a step"):
+            entry = {int(p): int(i) for p, i in client.get_live_nodes(pids).items()}
+        self._admitting.clear()
+        self._barrier_pids = sorted(entry)
+        live_map = {d: entry[d.process_index] for d in jax.devices() if d.process_index in entry}
+        error: BaseException | None = None
+        try:
+            members = self._enter(list(live_map), live_map)
+            yield members
+        except BaseException as e:  # noqa: BLE001 - re-raised below unless a member failed
+            error = e
+        with self._watch("leaving a failed step" if error is not None else "leaving a step"):
+            exit_ = {int(p): int(i) for p, i in client.get_live_nodes(sorted(entry)).items()}
+        self._barrier_pids = sorted(exit_)
+        failed = {p for p, i in entry.items() if exit_.get(p) != i}
+        if failed:
+            raise StepFailed(failed, error) from error
+        if error is not None:
+            raise error
+        self._agreed = dict(members.incarnations)
+
     # -- admission (admission="ready") -------------------------------------------------
-    def _barrier_devices(self) -> list[jax.Device]:
-        """The devices of the next step's ``live_devices``: every device (connect mode, or a
-        cold start), else the members' plus those admitted at the last commit."""
-        if self.admission == "connect":
-            return jax.devices()
+    def _barrier_pids_next(self) -> list[int]:
+        """The process ids of the next step's entry query: the members (the last query's live
+        set) plus those admitted at the last commit; on the first step, see :meth:`_join`."""
         if self._barrier_pids is None:
-            self._barrier_pids = self._join()
-        else:
-            live = {d.process_index for d in _compat.live_device_map()}
-            self._barrier_pids = sorted((live or set(self._barrier_pids)) | self._admitting)
-        pids = set(self._barrier_pids)
-        return [d for d in jax.devices() if d.process_index in pids]
+            return self._join()
+        return sorted(set(self._barrier_pids) | self._admitting)
 
     def _join(self) -> list[int]:
         """This process's first step: the barrier's process ids (waits to be admitted when
         a run is going on; every process on a cold start)."""
         everyone = sorted({d.process_index for d in jax.devices()})
+        if self.run_finished():
+            _hard_exit(0, f"jaxft: the run finished before process {self.process_id} could join; exiting 0")
         joiner = admission_lib.Joiner(self.process_id, self.timeouts)
-        running = joiner.running_members(settle_s=max(1.5, 0.5 * self.timeouts.heartbeat))
-        if running is None:
-            return everyone
-        if self.process_id in running:
-            # The members have not noticed this process's previous life end: they wait for it.
-            return sorted(running)
+        listed_since = time.monotonic()
+        while True:
+            running = joiner.running_members(settle_s=max(1.5, 0.5 * self.timeouts.heartbeat))
+            if running is None:
+                return everyone  # a cold start: every process forms the first member set
+            if self.process_id not in running:
+                break
+            # Still listed: the members have not yet committed a step without this process's
+            # previous life. Give them a while; if they still list it they are waiting for it.
+            if time.monotonic() - listed_since > 2 * self.timeouts.heartbeat + 2:
+                return sorted(running)
+            time.sleep(0.2)
         joiner.announce()
         t0 = time.monotonic()
-        with self._watch("waiting to be admitted"):
+        with self._watch("waiting to be admitted"):  # exits 0 if the run finishes meanwhile
             pids = joiner.wait_admitted()
         logger.info("process %d admitted after %.2f s with %s", self.process_id, time.monotonic() - t0, pids)
         return pids
@@ -237,6 +272,8 @@ class ElasticGroup:
     def finish(self) -> None:
         """Tell late joiners the run is over, so none waits for peers that are gone."""
         kv.mark_finished()
+        if self._watcher is not None:
+            self._watcher.stop()
 
     def run_finished(self) -> bool:
         return kv.run_finished()
@@ -252,8 +289,7 @@ class ElasticGroup:
         finally:
             self._watchdog.disarm()
 
-    def _enter(self, devices: Sequence[jax.Device]) -> Members:
-        live_map = _compat.live_device_map()
+    def _enter(self, devices: Sequence[jax.Device], live_map: Mapping[jax.Device, int]) -> Members:
         current = _member_map({d: live_map[d] for d in devices})
         previous = self._previous
         joined = tuple(sorted(p for p, i in current.items() if previous is not None and previous.get(p) != i))

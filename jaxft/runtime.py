@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import dataclasses
 import math
 import os
@@ -35,6 +36,8 @@ GPU_ENV = {
 }
 CPU_COLLECTIVE_TIMEOUT_FLAG = "xla_cpu_collective_timeout_seconds"
 
+
+logger = logging.getLogger(__name__)
 
 _LOCAL_COORDINATOR = None  # the private service of a single-process run
 
@@ -203,6 +206,7 @@ def initialize(coordinator_address: str | None = None,
         # jax's client aborts the whole process (SIGABRT) when registration times out; find an
         # unreachable coordinator ourselves and say so.
         _wait_reachable(coordinator_address, initialization_timeout, process_id)
+    _wait_until_forgotten(environ.get(envvars.DIED_AT), heartbeat_timeout, process_id)
     guard = _compat.no_service_start() if external_coordinator else contextlib.nullcontext()
     try:
         with guard:
@@ -230,6 +234,26 @@ def _clear_stale_topology(process_id: int) -> None:
     fail with ALREADY_EXISTS on the old incarnation's copy (the topology cannot change)."""
     if process_id == 0:
         _compat.delete_global_topology_key(_compat.distributed_client())
+
+
+def _wait_until_forgotten(died_at: str | None, heartbeat_timeout: float, process_id: int) -> None:
+    """A restarted process connects only once the service has declared its previous life dead.
+
+    A new incarnation that registers earlier replaces the dead one while the survivors still
+    count it, so their ``live_devices`` barrier waits for it (through all of its set-up)
+    instead of going on without it. The service notices a death within the heartbeat
+    timeout and checks once a second; ``jaxft launch`` hands down when the previous life ended.
+    """
+    if not died_at:
+        return
+    try:
+        wait = float(died_at) + heartbeat_timeout + 1.0 - time.time()
+    except ValueError:
+        return
+    if wait > 0:
+        logger.info("process %d: waiting %.1f s for the service to forget its previous incarnation",
+                    process_id, wait)
+        time.sleep(min(wait, heartbeat_timeout + 1.0))
 
 
 def _wait_reachable(address: str, timeout: float, process_id: int) -> None:

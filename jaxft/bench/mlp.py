@@ -29,6 +29,7 @@ flags.DEFINE_string("checkpoint_dir", None, "checkpoint directory (default: $JAX
 flags.DEFINE_enum("admission", "connect", ["connect", "ready"],
                   "connect: a restarted process is a member from its first step; ready: it enters "
                   "when admitted (experimental, jaxft.admission)")
+flags.DEFINE_string("params_out", None, "process 0 writes the final params here (.npz), for comparisons")
 flags.DEFINE_integer("keep", 3, "complete checkpoints to keep (max_to_keep; 0: keep all)")
 
 
@@ -111,6 +112,9 @@ def main(argv):
     state = trainer.run(FLAGS.steps)
     if ckpt is not None:
         ckpt.close()
+    if FLAGS.params_out and rt.process_id == 0:
+        flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
+        np.savez(FLAGS.params_out, **{jax.tree_util.keystr(k): np.asarray(v) for k, v in flat})
     print(f"done: step {state.step} loss {trainer.last_loss:.6f}", flush=True)
 
 
