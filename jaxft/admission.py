@@ -93,7 +93,7 @@ class ReadyWatcher:
     def admit(self, joiners: Sequence[int], barrier_pids: Sequence[int]) -> None:
         """Write the admission keys of ``joiners`` and consume their ready keys."""
         c = kv.client()
-        value = ",".join(str(p) for p in sorted(barrier_pids))
+        value = ",".join(str(p) for p in sorted(barrier_pids)) + f";{time.time():.6f}"
         with self._lock:
             nonces = {p: self._seen.pop(p, None) for p in joiners}
         for p, nonce in nonces.items():
@@ -139,8 +139,9 @@ class Joiner:
     def announce(self) -> None:
         kv.client().key_value_set(f"{READY_PREFIX}{self.process_id}/{self.nonce}", "1", allow_overwrite=True)
 
-    def wait_admitted(self) -> list[int]:
-        """Block until the members admit this process; returns the barrier's process ids."""
+    def wait_admitted(self) -> tuple[list[int], float]:
+        """Block until the members admit this process; returns the barrier's process ids and
+        when they were admitting it (all of them alive then)."""
         c = kv.client()
         key = f"{ADMIT_PREFIX}{self.process_id}/{self.nonce}"
         t0 = time.monotonic()
@@ -148,7 +149,8 @@ class Joiner:
             try:
                 value = c.blocking_key_value_get(key, int(self.poll_s * 1000))
                 c.key_value_delete(key)
-                return [int(p) for p in value.split(",") if p]
+                pids, _, when = value.partition(";")
+                return [int(p) for p in pids.split(",") if p], float(when or time.time())
             except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED: not yet
                 if "DEADLINE" not in str(e) and "timed out" not in str(e).lower():
                     raise

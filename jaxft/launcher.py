@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Sequence, TextIO
 
-from jaxft import envvars
+from jaxft import deaths, envvars
 from jaxft.coordinator import Coordinator
 from jaxft.errors import LaunchError, TimeoutsError
 from jaxft.events import EventLog
@@ -286,6 +286,8 @@ class Launcher:
                     w.reader.join(timeout=2)
                 self._record_exit(w, code, reason)
                 w.returncode, w.died_at = code, time.time()
+                if code != 0:  # dead for sure: tell the local members now (jaxft.deaths)
+                    deaths.record(fault_dir, w.process_id, w.incarnation)
                 if code != 0 and c.restart == "all" and w.restarts < c.max_restarts:
                     self._restart_everyone(w, now)
                 elif code != 0 and c.restart == "on-failure" and w.restarts < c.max_restarts:

@@ -32,7 +32,7 @@ from jax.experimental import multihost_utils
 from jax.extend import backend as jax_backend
 from jax.sharding import Mesh
 
-from jaxft import _compat, admission as admission_lib, kv
+from jaxft import _compat, admission as admission_lib, deaths as deaths_lib, kv
 from jaxft import timeouts as timeouts_lib
 from jaxft.errors import StepFailed
 from jaxft.rejoin import is_new
@@ -99,6 +99,7 @@ class ElasticGroup:
         self._admitting: set[int] = set()
         self._watcher: admission_lib.ReadyWatcher | None = None
         self._published: tuple[int, ...] | None = None
+        self._deaths: deaths_lib.DeathWatch | None = None
         self.axis_name = axis_name
         self.timeouts = (timeouts or timeouts_lib.current()).replace(barrier=barrier_timeout_s)
         self.barrier_timeout_s = self.timeouts.barrier
@@ -187,8 +188,11 @@ class ElasticGroup:
         """
         client = kv.client()
         pids = self._barrier_pids_next()
+        if self._deaths is None:
+            self._deaths = deaths_lib.DeathWatch()
         with self._watch("entering a step"):
-            entry = {int(p): int(i) for p, i in client.get_live_nodes(pids).items()}
+            entry = self._deaths.live_nodes(client.get_live_nodes, pids)
+        self._deaths.saw(entry)
         self._admitting.clear()
         self._barrier_pids = sorted(entry)
         live_map = {d: entry[d.process_index] for d in jax.devices() if d.process_index in entry}
@@ -199,7 +203,7 @@ class ElasticGroup:
         except BaseException as e:  # noqa: BLE001 - re-raised below unless a member failed
             error = e
         with self._watch("leaving a failed step" if error is not None else "leaving a step"):
-            exit_ = {int(p): int(i) for p, i in client.get_live_nodes(sorted(entry)).items()}
+            exit_ = self._deaths.live_nodes(client.get_live_nodes, sorted(entry))
         self._barrier_pids = sorted(exit_)
         failed = {p for p, i in entry.items() if exit_.get(p) != i}
         if failed:
@@ -213,10 +217,16 @@ class ElasticGroup:
         """The process ids of the next step's entry query: the members (the last query's live
         set) plus those admitted at the last commit; on the first step, see :meth:`_join`."""
         if self._barrier_pids is None:
-            return self._join()
+            pids, alive_at = self._join()
+            if self._deaths is None:
+                self._deaths = deaths_lib.DeathWatch()
+            # lives that died before alive_at - 1 s are earlier lives (a restart connects only
+            # heartbeat + 1.5 s after a death): a record counts only against a later one
+            self._deaths.assume_alive_since(pids, alive_at - 1.0)
+            return pids
         return sorted(set(self._barrier_pids) | self._admitting)
 
-    def _join(self) -> list[int]:
+    def _join(self) -> tuple[list[int], float]:
         """This process's first step: the barrier's process ids (waits to be admitted when
         a run is going on; every process on a cold start)."""
         everyone = sorted({d.process_index for d in jax.devices()})
@@ -227,20 +237,20 @@ class ElasticGroup:
         while True:
             running = joiner.running_members(settle_s=max(1.5, 0.5 * self.timeouts.heartbeat))
             if running is None:
-                return everyone  # a cold start: every process forms the first member set
+                return everyone, time.time()  # a cold start: every process forms the first member set
             if self.process_id not in running:
                 break
             # Still listed: the members have not yet committed a step without this process's
             # previous life. Give them a while; if they still list it they are waiting for it.
             if time.monotonic() - listed_since > 2 * self.timeouts.heartbeat + 2:
-                return sorted(running)
+                return sorted(running), time.time()
             time.sleep(0.2)
         joiner.announce()
         t0 = time.monotonic()
         with self._watch("waiting to be admitted"):  # exits 0 if the run finishes meanwhile
-            pids = joiner.wait_admitted()
+            pids, alive_at = joiner.wait_admitted()
         logger.info("process %d admitted after %.2f s with %s", self.process_id, time.monotonic() - t0, pids)
-        return pids
+        return pids, alive_at
 
     def votes(self, members: Members) -> "np.ndarray":
         """This member's view of the ready joiners (int32 per process id), to be reduced with

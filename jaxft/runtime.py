@@ -109,6 +109,7 @@ def initialize(coordinator_address: str | None = None,
                initialization_timeout: int | None = None,
                run_dir: str | None = None,
                timeouts: Timeouts | None = None,
+               wait_until_forgotten: bool = False,
                environ=os.environ) -> Runtime:
     """Initialize multi-controller JAX so that processes can fail and come back.
 
@@ -132,6 +133,10 @@ def initialize(coordinator_address: str | None = None,
     Called with nothing set (no arguments, no launcher environment) it runs as a single
     process with a private coordination service, so the same program works without
     ``jaxft launch``.
+
+    With ``wait_until_forgotten`` (for ``ElasticGroup(admission="ready")``), a restarted
+    process connects only once the service has declared its previous incarnation dead, so
+    the survivors never wait for its set-up (``jaxft launch`` says when it died).
 
     Must be called before anything starts a JAX backend (``jax.devices()``, any
     computation): XLA reads its flags only once.
@@ -206,7 +211,8 @@ def initialize(coordinator_address: str | None = None,
         # jax's client aborts the whole process (SIGABRT) when registration times out; find an
         # unreachable coordinator ourselves and say so.
         _wait_reachable(coordinator_address, initialization_timeout, process_id)
-    _wait_until_forgotten(environ.get(envvars.DIED_AT), heartbeat_timeout, process_id)
+    if wait_until_forgotten:
+        _wait_until_forgotten(environ.get(envvars.DIED_AT), heartbeat_timeout, process_id)
     guard = _compat.no_service_start() if external_coordinator else contextlib.nullcontext()
     try:
         with guard:
@@ -247,13 +253,13 @@ def _wait_until_forgotten(died_at: str | None, heartbeat_timeout: float, process
     if not died_at:
         return
     try:
-        wait = float(died_at) + heartbeat_timeout + 1.0 - time.time()
+        wait = float(died_at) + heartbeat_timeout + 1.5 - time.time()
     except ValueError:
         return
     if wait > 0:
         logger.info("process %d: waiting %.1f s for the service to forget its previous incarnation",
                     process_id, wait)
-        time.sleep(min(wait, heartbeat_timeout + 1.0))
+        time.sleep(min(wait, heartbeat_timeout + 1.5))
 
 
 def _wait_reachable(address: str, timeout: float, process_id: int) -> None:

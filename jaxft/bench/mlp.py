@@ -75,7 +75,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # keep jax's INFO lines out of the workers' output
     if FLAGS.checkpoint_every:
         from jaxft import checkpoint  # noqa: F401 - Orbax imports slowly: do it before joining the job
-    rt = jaxft.initialize()  # before any other JAX use
+    rt = jaxft.initialize(wait_until_forgotten=FLAGS.admission == "ready")  # before any other JAX use
     import time
 
     import jax
