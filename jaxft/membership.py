@@ -274,6 +274,10 @@ class ElasticGroup:
         joiners = tuple(p for p, v in enumerate(agreed_votes) if v and p not in members.process_ids)
         if joiners:
             self._admitting = set(joiners)
+            if self._deaths is not None:
+                # a joiner is a new life (it connected >= heartbeat + 1.5 s after any earlier
+                # death of its process id): earlier death records must not count against it
+                self._deaths.assume_alive_since(joiners, time.time() - 1.0)
             assert self._watcher is not None
             self._watcher.admit(joiners, sorted(set(members.process_ids) | set(joiners)))
         return joiners
