@@ -53,7 +53,7 @@ def publish_members(process_ids: Sequence[int]) -> None:
 class ReadyWatcher:
     """A member's view of the joiners that announced readiness (a daemon thread)."""
 
-    def __init__(self, num_processes: int, poll_s: float = 0.05):
+    def __init__(self, num_processes: int, poll_s: float = 0.2):
         self.num_processes = num_processes
         self.poll_s = poll_s
         self._seen: dict[int, str] = {}  # process -> nonce of its ready key

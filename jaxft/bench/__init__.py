@@ -25,6 +25,8 @@ def add_parser(sub) -> None:
     o.add_argument("--steps", type=int, default=100)
     o.add_argument("--hidden", type=int, default=512)
     o.add_argument("--global-batch", type=int, default=512)
+    o.add_argument("--admission", choices=("connect", "ready"), default="connect",
+                   help="ready: the step's entry and exit liveness queries of ready admission")
     r = which.add_parser("rehydrate", help="state transfer to a joiner vs a TCP loopback copy")
     r.add_argument("-n", type=int, default=2)
     r.add_argument("--mb", type=float, default=100)
@@ -52,7 +54,7 @@ def run(args) -> int:
     if args.bench == "overhead":
         from jaxft.bench.overhead import bench_overhead
 
-        figures = bench_overhead(args.n, args.steps, args.hidden, args.global_batch)
+        figures = bench_overhead(args.n, args.steps, args.hidden, args.global_batch, args.admission)
         print(f"per step: elastic {figures['elastic_ms']:.2f} ms, plain {figures['plain_ms']:.2f} ms, "
               f"ratio {figures['ratio']:.3f} ({figures['processes']} processes)")
     elif args.bench == "chaos":
