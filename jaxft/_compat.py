@@ -151,17 +151,3 @@ def rekey_live_devices(current_devices: list) -> None:
     if all(by_id.get(d.id) is d for d in live.devices):
         return
     live.devices = {by_id[d.id]: inc for d, inc in live.devices.items() if d.id in by_id}
-
-
-def forget_live_devices() -> None:
-    """Make the next ``live_devices`` block query liveness at entry (not only at exit).
-
-    Writes the private ``live_devices.devices`` (None: "no block yet", so entry queries
-    ``get_live_nodes``). ElasticGroup's ready admission uses it so that a member that died
-    between steps is left out before any collective starts, and so that admitted joiners
-    meet the members in the entry barrier. Replace with an entry-query option of
-    ``live_devices``.
-    """
-    from jax.experimental import multihost_utils
-
-    multihost_utils.live_devices.devices = None

@@ -63,10 +63,6 @@ out["rekeyed"] = all(any(d is n for n in new_devices) for d in _compat.live_devi
 with multihost_utils.live_devices(jax.devices()) as agreed:  # raises ProcessFailureError without the re-key
     out["live_after"] = sorted(d.process_index for d in agreed)
 out["sum_after"] = cross_process_sum()
-_compat.forget_live_devices()  # the next block must query at entry (ready admission relies on it)
-out["forgotten"] = _compat.live_device_map() == {}
-with multihost_utils.live_devices(jax.devices()) as agreed:
-    out["live_requeried"] = sorted(d.process_index for d in agreed)
 if rt.process_id == 0:
     rt.events.log("private_keys", **out)
 client.wait_at_barrier("pk_done", 30_000, [0, 1])
