@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Iterator, Sequence, TextIO
 
-from jaxft import envvars
+from jaxft import deaths, envvars
 from jaxft.cluster import interface_problem
 from jaxft.console import CONSOLE_MODES, Console
 from jaxft.coordinator import Coordinator, wait_reachable
@@ -214,6 +214,7 @@ class _Worker:
     returncode: int | None = None
     stopped_since: float | None = None
     restart_at: float | None = None  # a restart is pending until this time
+    died_at: float | None = None  # wall-clock time its last incarnation exited
     reader: threading.Thread | None = None
 
 
@@ -256,6 +257,8 @@ class Launcher:
             "PYTHONUNBUFFERED": "1",
         })
         self.timeouts.export(env)
+        if worker.died_at is not None:
+            env[envvars.DIED_AT] = f"{worker.died_at:.3f}"
         if c.run_dir:
             env[envvars.RUN_DIR] = os.path.abspath(c.run_dir)
         if c.gpus is not None:
@@ -412,7 +415,9 @@ class Launcher:
                 if w.reader is not None:
                     w.reader.join(timeout=2)
                 self._record_exit(w, code, reason)
-                w.returncode = code
+                w.returncode, w.died_at = code, time.time()
+                if code != 0:  # dead for sure: tell the local members now (jaxft.deaths)
+                    deaths.record(fault_dir, w.process_id, w.incarnation)
                 if code == EXIT_HUNG:
                     self.events.log("hung", process=w.process_id, incarnation=w.incarnation, source="launcher")
                 if code == EXIT_CONFIG_ERROR:

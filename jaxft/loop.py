@@ -40,6 +40,7 @@ import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -54,6 +55,23 @@ from jaxft.types import PyTree
 logger = logging.getLogger(__name__)
 
 StepFn = Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, dict]]  # (state, batch, mask) -> (state, metrics)
+
+
+def _with_votes(fn: Callable, mesh: Mesh) -> Callable:
+    """``fn`` plus admission votes: ``(state, batch, mask, votes[D, P]) -> (..., max over D)``,
+    one jitted program, so agreeing on joiners costs no extra round trip (jaxft.admission)."""
+    def step(state, batch, mask, votes):
+        new_state, metrics = fn(state, batch, mask)
+        return new_state, metrics, jnp.max(votes, axis=0)
+
+    return jax.jit(step, out_shardings=NamedSharding(mesh, P()))
+
+
+def _votes_array(votes: np.ndarray, mesh: Mesh, axis_name: str) -> jax.Array:
+    """This process's vote row on each of its devices, as a global ``[D, P]`` array."""
+    n = mesh.devices.size
+    rows = np.broadcast_to(votes, (n, votes.size))
+    return jax.make_array_from_callback((n, votes.size), NamedSharding(mesh, P(axis_name)), lambda i: rows[i])
 
 
 class _Skip(Exception):
@@ -199,6 +217,8 @@ class ElasticLoop:
                 fn = self.make_step(m.mesh)
             else:
                 fn = jax.jit(self.step_fn, out_shardings=NamedSharding(m.mesh, P()))
+            if self.group.admission == "ready":
+                fn = _with_votes(fn, m.mesh)
             self._compiled[key] = fn
         return fn
 
@@ -276,7 +296,13 @@ class ElasticLoop:
                     step, state, rehydrated = self._sync_state(m)
                 fn = self._fn(m)
                 batch, mask = self._batch(step, m)
-                new_global, metrics = fn(self._replicated(state, m), batch, mask)
+                agreed = None
+                if self.group.admission == "ready":  # admission votes ride in the step's own program
+                    votes = _votes_array(self.group.votes(m), m.mesh, self.group.axis_name)
+                    new_global, metrics, agreed = fn(self._replicated(state, m), batch, mask, votes)
+                    agreed = np.asarray(agreed.addressable_data(0))
+                else:
+                    new_global, metrics = fn(self._replicated(state, m), batch, mask)
                 jax.block_until_ready((new_global, metrics))
                 self.faults.point("after-grad", step)
                 new_state = local_copy(new_global)
@@ -303,6 +329,10 @@ class ElasticLoop:
         record = StepRecord(step, scalars.get("loss"), m.process_ids, generation, dict(m.incarnations), scalars)
         self.events.log("commit", step=step, members=list(m.process_ids), generation=generation,
                         loss=scalars.get("loss"))
+        if agreed is not None:
+            admitted = self.group.admit(m, agreed)
+            if admitted:
+                self.events.log("admit", step=step + 1, joiners=list(admitted))
         if self.on_commit is not None:
             self.on_commit(self, record)
         self.faults.point("after-commit", step)

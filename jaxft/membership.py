@@ -32,7 +32,7 @@ from jax.experimental import multihost_utils
 from jax.extend import backend as jax_backend
 from jax.sharding import Mesh
 
-from jaxft import _compat, kv
+from jaxft import _compat, admission as admission_lib, deaths as deaths_lib, kv
 from jaxft import timeouts as timeouts_lib
 from jaxft.errors import StepFailed
 from jaxft.hang import WAIT_NOTICE_S, HangMonitor
@@ -90,7 +90,18 @@ class ElasticGroup:
     """
 
     def __init__(self, axis_name: str = "data", barrier_timeout_s: float | None = None, poll_s: float = 0.5,
-                 timeouts: Timeouts | None = None):
+                 timeouts: Timeouts | None = None, admission: str = "connect"):
+        if admission not in ("connect", "ready"):
+            raise ValueError(f"admission must be 'connect' or 'ready', got {admission!r}")
+        # connect: a process is a member from its first step (the members wait for it at their
+        # next step); ready: it stays out of the members' barrier until admitted (jaxft.admission;
+        # its caller must carry votes through each step, as ElasticTrainer does).
+        self.admission = admission
+        self._barrier_pids: list[int] | None = None  # process ids of the next step's barrier
+        self._admitting: set[int] = set()
+        self._watcher: admission_lib.ReadyWatcher | None = None
+        self._published: tuple[int, ...] | None = None
+        self._deaths: deaths_lib.DeathWatch | None = None
         self.axis_name = axis_name
         self.timeouts = (timeouts or timeouts_lib.current()).replace(barrier=barrier_timeout_s)
         self.barrier_timeout_s = self.timeouts.barrier
@@ -153,6 +164,10 @@ class ElasticGroup:
         outlasts ``Timeouts.barrier``, it exits with :data:`EXIT_BARRIER_TIMEOUT`
         rather than hang forever (``live_devices`` has no timeout of its own).
         """
+        if self.admission == "ready":
+            with self._ready_step() as members:
+                yield members
+            return
         cm = multihost_utils.live_devices(jax.devices())
         members: Members | None = None
         try:
@@ -160,7 +175,7 @@ class ElasticGroup:
                 devices = cm.__enter__()
             try:
                 self.hang.step_started()
-                members = self._enter(devices)
+                members = self._enter(devices, _compat.live_device_map())
                 if members.reset or members.gained or members.mesh_is_new:
                     self.hang.long_step()  # a compile or a rejoin: bounded by Timeouts.setup
                 yield members
@@ -180,11 +195,130 @@ class ElasticGroup:
             self.hang.phase("between steps")
             _compat.rekey_live_devices(jax.devices())
 
+    @contextlib.contextmanager
+    def _ready_step(self) -> Iterator[Members]:
+        """The step of ready admission: ``live_devices``' protocol on ``get_live_nodes``, with a
+        query at entry as well as at exit, and the exit query over the entry's live set.
+
+        The entry query (over the members plus those admitted) leaves out a member the
+        service already knows dead before anyone starts a collective with it, and is where
+        admitted joiners meet the members. The exit query runs over the processes that
+        entered, so a restarted incarnation of a process that was left out is never pulled
+        into the members' barrier before it is ready (``live_devices`` would query its
+        argument again). Costs one more round trip per step than ``live_devices``.
+        """
+        client = kv.client()
+        pids = self._barrier_pids_next()
+        if self._deaths is None:
+            self._deaths = deaths_lib.DeathWatch()
+        with self._watch("entering a step"):
+            entry = self._deaths.live_nodes(client.get_live_nodes, pids)
+        self._deaths.saw(entry)
+        self._admitting.clear()
+        self._barrier_pids = sorted(entry)
+        live_map = {d: entry[d.process_index] for d in jax.devices() if d.process_index in entry}
+        error: BaseException | None = None
+        members: Members | None = None
+        try:
+            self.hang.step_started()
+            members = self._enter(list(live_map), live_map)
+            if members.reset or members.gained or members.mesh_is_new:
+                self.hang.long_step()  # a compile or a rejoin: bounded by Timeouts.setup
+            yield members
+        except BaseException as e:  # noqa: BLE001 - re-raised below unless a member failed
+            error = e
+        try:
+            with self._watch("leaving a failed step" if error is not None else "leaving a step"):
+                exit_ = self._deaths.live_nodes(client.get_live_nodes, sorted(entry))
+        finally:
+            self.hang.phase("between steps")
+        self._barrier_pids = sorted(exit_)
+        failed = {p for p, i in entry.items() if exit_.get(p) != i}
+        if failed:
+            if members is not None:  # collectives may have run on these devices' communicators
+                self._tainted.add(tuple(d.id for d in members.devices))
+            raise StepFailed(failed, error) from error
+        if error is not None:
+            raise error
+        self._agreed = dict(members.incarnations)
+
+    # -- admission (admission="ready") -------------------------------------------------
+    def _barrier_pids_next(self) -> list[int]:
+        """The process ids of the next step's entry query: the members (the last query's live
+        set) plus those admitted at the last commit; on the first step, see :meth:`_join`."""
+        if self._barrier_pids is None:
+            pids, alive_at = self._join()
+            if self._deaths is None:
+                self._deaths = deaths_lib.DeathWatch()
+            # lives that died before alive_at - 1 s are earlier lives (a restart connects only
+            # heartbeat + 1.5 s after a death): a record counts only against a later one
+            self._deaths.assume_alive_since(pids, alive_at - 1.0)
+            return pids
+        return sorted(set(self._barrier_pids) | self._admitting)
+
+    def _join(self) -> tuple[list[int], float]:
+        """This process's first step: the barrier's process ids (waits to be admitted when
+        a run is going on; every process on a cold start)."""
+        everyone = sorted({d.process_index for d in jax.devices()})
+        if self.run_finished():
+            _hard_exit(0, f"jaxft: the run finished before process {self.process_id} could join; exiting 0")
+        joiner = admission_lib.Joiner(self.process_id, self.timeouts)
+        listed_since = time.monotonic()
+        while True:
+            running = joiner.running_members(settle_s=max(1.5, 0.5 * self.timeouts.heartbeat))
+            if running is None:
+                return everyone, time.time()  # a cold start: every process forms the first member set
+            if self.process_id not in running:
+                break
+            # Still listed: the members have not yet committed a step without this process's
+            # previous life. Give them a while; if they still list it they are waiting for it.
+            if time.monotonic() - listed_since > 2 * self.timeouts.heartbeat + 2:
+                return sorted(running), time.time()
+            time.sleep(0.2)
+        joiner.announce()
+        t0 = time.monotonic()
+        with self._watch("waiting to be admitted"):  # exits 0 if the run finishes meanwhile
+            pids, alive_at = joiner.wait_admitted()
+        logger.info("process %d admitted after %.2f s with %s", self.process_id, time.monotonic() - t0, pids)
+        return pids, alive_at
+
+    def votes(self, members: Members) -> "np.ndarray":
+        """This member's view of the ready joiners (int32 per process id), to be reduced with
+        max across the members inside the step (the result is :meth:`admit`'s argument)."""
+        import numpy as np
+
+        if self.admission != "ready":
+            return np.zeros(jax.process_count(), np.int32)
+        if self._watcher is None:
+            self._watcher = admission_lib.ReadyWatcher(jax.process_count())
+        return self._watcher.votes(members.process_ids)
+
+    def admit(self, members: Members, agreed_votes) -> tuple[int, ...]:
+        """After a commit: the joiners every member agreed on enter at the next step."""
+        if self.admission != "ready":
+            return ()
+        if self._published != members.process_ids:
+            self._published = members.process_ids
+            if self.process_id == members.process_ids[0]:
+                admission_lib.publish_members(members.process_ids)
+        joiners = tuple(p for p, v in enumerate(agreed_votes) if v and p not in members.process_ids)
+        if joiners:
+            self._admitting = set(joiners)
+            if self._deaths is not None:
+                # a joiner is a new life (it connected >= heartbeat + 1.5 s after any earlier
+                # death of its process id): earlier death records must not count against it
+                self._deaths.assume_alive_since(joiners, time.time() - 1.0)
+            assert self._watcher is not None
+            self._watcher.admit(joiners, sorted(set(members.process_ids) | set(joiners)))
+        return joiners
+
     # -- bounded waiting --------------------------------------------------------------
     def finish(self, step: int | None = None) -> None:
         """Tell late joiners the run is over (at ``step``), so none waits for peers that are gone."""
         self.hang.finished()
         kv.mark_finished(step)
+        if self._watcher is not None:
+            self._watcher.stop()
 
     def run_finished(self) -> bool:
         """Whether peers finished the run this process is in: a run that ended at a step at or
@@ -210,8 +344,7 @@ class ElasticGroup:
             if self._watchdog.disarm():
                 self.hang.done_waiting()
 
-    def _enter(self, devices: Sequence[jax.Device]) -> Members:
-        live_map = _compat.live_device_map()
+    def _enter(self, devices: Sequence[jax.Device], live_map: Mapping[jax.Device, int]) -> Members:
         current = _member_map({d: live_map[d] for d in devices})
         previous = self._previous
         joined = tuple(sorted(p for p, i in current.items() if previous is not None and previous.get(p) != i))

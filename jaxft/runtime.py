@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import dataclasses
 import math
 import os
@@ -39,6 +40,8 @@ GPU_ENV = {
 }
 CPU_COLLECTIVE_TIMEOUT_FLAG = "xla_cpu_collective_timeout_seconds"
 
+
+logger = logging.getLogger(__name__)
 
 _LOCAL_COORDINATOR = None  # the private service of a single-process run
 
@@ -108,6 +111,8 @@ def initialize(coordinator_address: str | None = None,
                run_dir: str | None = None,
                timeouts: Timeouts | None = None,
                gloo_interface: str | None = None,
+               wait_until_forgotten: bool = False,
+               compilation_cache: str | bool | None = None,
                environ=os.environ) -> Runtime:
     """Initialize multi-controller JAX so that processes can fail and come back.
 
@@ -141,6 +146,16 @@ def initialize(coordinator_address: str | None = None,
     Called with nothing set (no arguments, no launcher environment, no cluster) it runs as
     a single process with a private coordination service, so the same program works
     without ``jaxft launch``.
+
+    With ``wait_until_forgotten`` (for ``ElasticGroup(admission="ready")``), a restarted
+    process connects only once the service has declared its previous incarnation dead, so
+    the survivors never wait for its set-up (``jaxft launch`` says when it died).
+
+    ``compilation_cache``: a directory for jax's persistent compilation cache shared by the
+    run's processes (a joiner, a restarted process and survivors returning to a width they
+    ran before load executables instead of compiling them; measured to serve CPU
+    executables on jax 0.10.2); None (default) uses ``<run_dir>/xla_cache`` when there is
+    a run directory and the user set no cache of their own; False turns it off.
 
     Must be called before anything starts a JAX backend (``jax.devices()``, any
     computation): XLA reads its flags only once.
@@ -197,6 +212,7 @@ def initialize(coordinator_address: str | None = None,
         raise InitializeError(f"gloo_interface: {problem}")
 
     configure_environment(collective_timeout, environ)
+    _configure_compilation_cache(compilation_cache, run_dir, environ)
     jax.config.update("jax_enable_recoverability", True)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # A peer that dies while the CPU backends exchange topologies would otherwise leave
@@ -216,6 +232,8 @@ def initialize(coordinator_address: str | None = None,
         _wait_reachable(coordinator_address, initialization_timeout, process_id)
     if gloo_interface is not None or gloo_hostname is not None:
         _compat.use_gloo_address(interface=gloo_interface, hostname=gloo_hostname)
+    if wait_until_forgotten:
+        _wait_until_forgotten(environ.get(envvars.DIED_AT), heartbeat_timeout, process_id)
     guard = _compat.no_service_start() if external_coordinator else contextlib.nullcontext()
     try:
         with guard:
@@ -295,6 +313,40 @@ def _clear_stale_topology(process_id: int) -> None:
     fail with ALREADY_EXISTS on the old incarnation's copy (the topology cannot change)."""
     if process_id == 0:
         _compat.delete_global_topology_key(_compat.distributed_client())
+
+
+def _configure_compilation_cache(setting: str | bool | None, run_dir: str | None, environ) -> None:
+    """Point jax's persistent compilation cache at a directory the run's processes share."""
+    import jax
+
+    if setting is False or (setting is None and (not run_dir or environ.get("JAX_COMPILATION_CACHE_DIR")
+                                                 or jax.config.jax_compilation_cache_dir)):
+        return
+    path = setting if isinstance(setting, str) else os.path.join(run_dir, "xla_cache")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # small CPU steps too
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def _wait_until_forgotten(died_at: str | None, heartbeat_timeout: float, process_id: int) -> None:
+    """A restarted process connects only once the service has declared its previous life dead.
+
+    A new incarnation that registers earlier replaces the dead one while the survivors still
+    count it, so their ``live_devices`` barrier waits for it (through all of its set-up)
+    instead of going on without it. The service notices a death within the heartbeat
+    timeout and checks once a second; ``jaxft launch`` hands down when the previous life ended.
+    """
+    if not died_at:
+        return
+    try:
+        wait = float(died_at) + heartbeat_timeout + 1.5 - time.time()
+    except ValueError:
+        return
+    if wait > 0:
+        logger.info("process %d: waiting %.1f s for the service to forget its previous incarnation",
+                    process_id, wait)
+        time.sleep(min(wait, heartbeat_timeout + 1.5))
 
 
 def _wait_reachable(address: str, timeout: float, process_id: int) -> None:

@@ -38,6 +38,7 @@ class Timeouts:
       topology: the CPU backend's topology exchange at start-up (rounded up to minutes,
         the unit jax takes).
       shutdown: the coordination service's shutdown barrier.
+      admission: how long a ready joiner waits for the members to admit it.
     """
 
     heartbeat: float = 3.0
@@ -52,6 +53,7 @@ class Timeouts:
     save_dead_after: float = 5.0
     topology: float = 120.0
     shutdown: float = 5.0
+    admission: float = 600.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

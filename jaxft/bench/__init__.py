@@ -25,13 +25,18 @@ def add_parser(sub) -> None:
     o.add_argument("--steps", type=int, default=100)
     o.add_argument("--hidden", type=int, default=512)
     o.add_argument("--global-batch", type=int, default=512)
+    o.add_argument("--admission", choices=("connect", "ready"), default="connect",
+                   help="ready: the step's entry and exit liveness queries of ready admission")
     r = which.add_parser("rehydrate", help="state transfer to a joiner vs a TCP loopback copy")
     r.add_argument("-n", type=int, default=2)
     r.add_argument("--mb", type=float, default=100)
     c = which.add_parser("chaos", help="goodput under failures: jaxft vs restart-all-from-checkpoint")
     c.add_argument("-n", type=int, default=4)
-    c.add_argument("--steps", type=int, default=150)
-    c.add_argument("--kill-every", type=float, default=10.0, help="seconds between kills")
+    c.add_argument("--steps", type=int, default=300)
+    c.add_argument("--kills", type=int, default=5, help="kills spread evenly over the run")
+    c.add_argument("--kill-every", type=float, default=None, help="seconds between kills (instead of --kills)")
+    c.add_argument("--admission", choices=("ready", "connect"), default="ready",
+                   help="how the jaxft run admits restarted processes")
     c.add_argument("--checkpoint-every", type=int, default=20)
     c.add_argument("--step-sleep", type=float, default=0.1, help="stretch each step by this many seconds")
     c.add_argument("--seed", type=int, default=0)
@@ -49,21 +54,23 @@ def run(args) -> int:
     if args.bench == "overhead":
         from jaxft.bench.overhead import bench_overhead
 
-        figures = bench_overhead(args.n, args.steps, args.hidden, args.global_batch)
+        figures = bench_overhead(args.n, args.steps, args.hidden, args.global_batch, args.admission)
         print(f"per step: elastic {figures['elastic_ms']:.2f} ms, plain {figures['plain_ms']:.2f} ms, "
               f"ratio {figures['ratio']:.3f} ({figures['processes']} processes)")
     elif args.bench == "chaos":
         from jaxft.bench.chaos import bench_chaos
 
         figures = bench_chaos(args.n, args.steps, args.kill_every, args.checkpoint_every, args.step_sleep,
-                              args.seed, args.keep_dirs, overhead=not args.no_overhead)
-        print(f"{'':12s} {'goodput':>8s} {'steps lost':>10s} {'recovery s':>10s} {'train s':>8s}")
+                              args.seed, args.keep_dirs, overhead=not args.no_overhead, kills=args.kills,
+                              admission=args.admission)
+        print(f"{'':12s} {'goodput':>8s} {'steps lost':>10s} {'recovery s':>10s} {'train s':>8s} "
+              f"{'max stall s':>11s} {'min width':>9s}")
         for name in ("fault_free", "jaxft", "restart_all"):
             f = figures[name]
             print(f"{name:12s} {f['goodput']:8.3f} {f['steps_lost']:10d} {str(f['recovery_s']):>10s} "
-                  f"{f['train_s']:8.1f}")
-        print(f"{len(figures['schedule'])} kills, one every {args.kill_every:g} s; "
-              f"checkpoint every {args.checkpoint_every} steps")
+                  f"{f['train_s']:8.1f} {f['max_stall_s']:11.2f} {f['min_width']:9d}")
+        print(f"{len(figures['schedule'])} kills; checkpoint every {args.checkpoint_every} steps; "
+              f"jaxft admission: {args.admission}")
         if "overhead_ratio" in figures:
             o = figures["overhead"]
             print(f"per-step overhead of jaxft over a plain JAX loop: {o['ratio']:.3f} "

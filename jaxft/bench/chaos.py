@@ -30,52 +30,68 @@ def run_figures(events: list[dict], steps: int) -> dict:
         per_process[p] = per_process.get(p, 0) + c - 1
     _, recoveries = recovery_times(events)
     train_s = first[steps - 1] - first[0]
+    times = [first[s] for s in range(steps)]
+    widths = [len(e["members"]) for e in events if e["event"] == "commit"]
     return {"train_s": round(train_s, 3), "steps_per_s": round((steps - 1) / train_s, 3),
             "steps_lost": max(per_process.values(), default=0),
             "recovery_s": round(statistics.mean(recoveries), 3) if recoveries else None,
-            "faults": len(recoveries)}
+            "faults": len(recoveries),
+            # the longest gap between consecutive new committed steps, and the fewest members
+            # on a committed step (below n: the survivors trained on while a process came back)
+            "max_stall_s": round(max((b - a for a, b in zip(times, times[1:])), default=0.0), 3),
+            "min_width": min(widths, default=0)}
 
 
-def bench_chaos(n: int = 4, steps: int = 150, kill_every: float = 10.0, checkpoint_every: int = 20,
+def bench_chaos(n: int = 4, steps: int = 300, kill_every: float | None = None, checkpoint_every: int = 20,
                 step_sleep: float = 0.1, seed: int = 0, keep_dirs: str | None = None,
-                overhead: bool = True) -> dict:
-    """The same training three ways: fault-free, jaxft with kills, restart-all with kills."""
+                overhead: bool = True, kills: int = 5, admission: str = "ready") -> dict:
+    """The same training three ways: fault-free, jaxft with kills, restart-all with kills.
+
+    The kills fall every ``kill_every`` seconds of the fault-free run's training time, or,
+    by default, ``kills`` of them spread evenly over it. The jaxft run uses ``admission``
+    (``ready``: survivors train on while a restarted process sets up).
+    """
     import random
 
     base = keep_dirs or tempfile.mkdtemp(prefix="jaxft-chaos-")
     worker = ["-m", "jaxft.bench.mlp", "--steps", str(steps), "--step_sleep", str(step_sleep),
               "--checkpoint_every", str(checkpoint_every), "--check_every", "0"]
 
-    def job(name: str, restart: str, faults: list[str]) -> list[dict]:
+    def job(name: str, restart: str, faults: list[str], extra: tuple[str, ...] = ()) -> list[dict]:
         run_dir = os.path.join(base, name)
         cmd = [sys.executable, "-m", "jaxft.cli", "launch", "-n", str(n), "--run-dir", run_dir,
                "--restart", restart, "--max-restarts", "50"]
         for f in faults:
             cmd += ["--fault", f]
-        proc = subprocess.run(cmd + ["--", sys.executable, *worker], capture_output=True, text=True)
+        proc = subprocess.run(cmd + ["--", sys.executable, *worker, *extra], capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"chaos run {name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
         return read_events(run_dir)
 
-    ff_events = job("fault_free", "on-failure", [])
+    ff_events = job("fault_free", "on-failure", [], ("--admission", admission))
     start = min(e["time"] for e in ff_events)
     first_commit = min(e["time"] for e in ff_events if e["event"] == "commit") - start
     last_commit = max(e["time"] for e in ff_events if e["event"] == "commit") - start
     rng = random.Random(seed)
     times = []
-    t = first_commit + kill_every
-    while t < last_commit:
-        times.append(t)
-        t += kill_every
+    if kill_every:
+        t = first_commit + kill_every
+        while t < last_commit:
+            times.append(t)
+            t += kill_every
+    else:  # spread evenly, the last one well before the end (the run gets slower under kills)
+        span = (last_commit - first_commit) * 0.8
+        times = [first_commit + span * (i + 1) / (kills + 1) for i in range(kills)]
     schedule = [f"kill:process={rng.randrange(n)}:after={t:.2f}s" for t in times]
     figures = {"fault_free": run_figures(ff_events, steps)}
-    figures["jaxft"] = run_figures(job("jaxft", "on-failure", schedule), steps)
+    figures["jaxft"] = run_figures(job("jaxft", "on-failure", schedule, ("--admission", admission)), steps)
     figures["restart_all"] = run_figures(job("restart_all", "all", schedule), steps)
     ff = figures["fault_free"]["train_s"]
     for name in figures:
         figures[name]["goodput"] = round(ff / figures[name]["train_s"], 3)
     figures["schedule"] = schedule
-    figures["config"] = {"processes": n, "steps": steps, "kill_every_s": kill_every,
+    figures["config"] = {"processes": n, "steps": steps, "kill_every_s": kill_every, "kills": len(schedule),
+                         "admission": admission,
                          "checkpoint_every": checkpoint_every, "step_sleep_s": step_sleep, "seed": seed,
                          "run_dirs": base if keep_dirs else None}
     if overhead:

@@ -26,6 +26,9 @@ flags.DEFINE_float("step_sleep", 0.0, "seconds to sleep after each commit (to st
 flags.DEFINE_integer("checkpoint_every", 0, "async Orbax checkpoint every K committed steps (0: off); "
                      "on start, restore the latest complete checkpoint if there is one")
 flags.DEFINE_string("checkpoint_dir", None, "checkpoint directory (default: $JAXFT_RUN_DIR/checkpoints)")
+flags.DEFINE_enum("admission", "connect", ["connect", "ready"],
+                  "connect: a restarted process is a member from its first step; ready: it enters "
+                  "when admitted (experimental, jaxft.admission)")
 flags.DEFINE_integer("keep", 3, "complete checkpoints to keep (max_to_keep; 0: keep all)")
 flags.DEFINE_string("final_params", None, "write each process's final params to DIR/final-p<P>.npz "
                     "(for leaf-by-leaf comparisons)")
@@ -73,7 +76,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # keep jax's INFO lines out of the workers' output
     if FLAGS.checkpoint_every:
         from jaxft import checkpoint  # noqa: F401 - Orbax imports slowly: do it before joining the job
-    rt = jaxft.initialize()  # before any other JAX use
+    rt = jaxft.initialize(wait_until_forgotten=FLAGS.admission == "ready")  # before any other JAX use
     import time
 
     import jax
@@ -102,7 +105,7 @@ def main(argv):
 
     trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params, data, runtime=rt,
                                    micro_batch=FLAGS.micro_batch or None, check_every=FLAGS.check_every,
-                                   on_commit=on_commit)
+                                   on_commit=on_commit, group=jaxft.ElasticGroup(admission=FLAGS.admission))
     if ckpt is not None:
         restored = ckpt.restore(trainer)  # cold restore: every process, independently
         if restored is not None:

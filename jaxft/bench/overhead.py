@@ -11,7 +11,7 @@ import time
 from jaxft.bench._jobs import launch, result
 
 
-def worker(steps: int, hidden: int, batch: int) -> None:
+def worker(steps: int, hidden: int, batch: int, admission: str = "connect") -> None:
     import jaxft
 
     rt = jaxft.initialize()
@@ -37,7 +37,8 @@ def worker(steps: int, hidden: int, batch: int) -> None:
 
     tx = optax.sgd(1e-3)
     batches = jaxft.GlobalBatches(data, batch, seed=0)
-    trainer = jaxft.ElasticTrainer(loss_fn, tx, params, batches, runtime=rt)
+    trainer = jaxft.ElasticTrainer(loss_fn, tx, params, batches, runtime=rt,
+                                   group=jaxft.ElasticGroup(admission=admission))
     for _ in range(3):  # warm up: first step rebuilds the data plane and compiles
         trainer.try_step()
     t_elastic = []
@@ -67,9 +68,10 @@ def worker(steps: int, hidden: int, batch: int) -> None:
     trainer.group.finish()
 
 
-def bench_overhead(n: int = 2, steps: int = 100, hidden: int = 512, batch: int = 512) -> dict:
+def bench_overhead(n: int = 2, steps: int = 100, hidden: int = 512, batch: int = 512,
+                   admission: str = "connect") -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
-        launch(n, __name__, [str(steps), str(hidden), str(batch)], run_dir)
+        launch(n, __name__, [str(steps), str(hidden), str(batch), admission], run_dir)
         r = result(run_dir, "bench_overhead")
     return {k: r[k] for k in ("elastic_ms", "plain_ms", "ratio", "steps", "processes", "hidden", "global_batch")}
 
@@ -77,4 +79,4 @@ def bench_overhead(n: int = 2, steps: int = 100, hidden: int = 512, batch: int =
 
 
 if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+    worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5])

@@ -1,0 +1,166 @@
+"""Admission when ready: a joiner sets up without holding up the members.
+
+``live_devices(devices)`` agrees only over the processes hosting ``devices``, so the
+members run their steps over their own devices and a restarted (or late) process stays
+out of their barriers until it is ready. Then:
+
+1. The joiner writes ``jaxft/ready/<process>/<nonce>`` (:meth:`Joiner.announce`) and waits
+   for ``jaxft/admit/<process>/<nonce>`` (:meth:`Joiner.wait_admitted`).
+2. Every member runs a :class:`ReadyWatcher`, a daemon thread that lists the ready keys
+   off the step's critical path. Each step carries this member's view as a vote
+   (:meth:`ReadyWatcher.votes`, one int per process id) through the step's own
+   all-reduce (a max), so the union of the votes is part of the committed step: every
+   member has the same value, or the step failed everywhere and nobody uses it. No extra
+   coordination-service round trip is made on any step.
+3. After committing a step whose agreed votes name a joiner, every member writes the
+   joiner's admission key (the same value everywhere: the process ids of the next step's
+   barrier) and deletes the ready key it consumed; the next step's ``live_devices`` is
+   over the members plus the admitted, and the joiner enters that same barrier.
+
+A joiner that finds no running members (a cold start, or everyone died) enters the
+barrier over every device, as all processes do at the start of a run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+import time
+from typing import Sequence
+
+import numpy as np
+
+from jaxft import kv
+from jaxft.errors import BarrierTimeout
+from jaxft.timeouts import Timeouts
+
+logger = logging.getLogger(__name__)
+
+READY_PREFIX = "jaxft/ready/"
+ADMIT_PREFIX = "jaxft/admit/"
+MEMBERS_KEY = "jaxft/members"
+
+
+def publish_members(process_ids: Sequence[int]) -> None:
+    """Record the current members and the writer's heartbeat nonce (when the members change)."""
+    value = json.dumps({"pids": sorted(process_ids), "time": time.time(), "beat": kv.Heartbeat.get().nonce})
+    kv.client().key_value_set(f"{MEMBERS_KEY}/{min(process_ids)}", value, allow_overwrite=True)
+
+
+class ReadyWatcher:
+    """A member's view of the joiners that announced readiness (a daemon thread)."""
+
+    def __init__(self, num_processes: int, poll_s: float = 0.2):
+        self.num_processes = num_processes
+        self.poll_s = poll_s
+        self._seen: dict[int, str] = {}  # process -> nonce of its ready key
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jaxft-ready-watcher", daemon=True)
+        self._thread.start()
+        # Stop before interpreter teardown: a daemon thread inside a gRPC call then aborts the process.
+        atexit.register(self.stop)
+
+    def _run(self) -> None:
+        c = kv.client()
+        while not self._stop.wait(self.poll_s):
+            try:
+                entries = c.key_value_dir_get(READY_PREFIX)
+            except Exception:  # noqa: BLE001 - the service is gone: the job is ending
+                return
+            seen: dict[int, str] = {}
+            for key, _ in entries:
+                parts = key.rstrip("/").split("/")
+                try:
+                    seen[int(parts[-2])] = parts[-1]
+                except (ValueError, IndexError):
+                    continue
+            with self._lock:
+                self._seen = seen
+
+    def votes(self, members: Sequence[int]) -> np.ndarray:
+        """int32 ``[num_processes]``: 1 for each non-member with a ready key."""
+        v = np.zeros(self.num_processes, np.int32)
+        with self._lock:
+            for p in self._seen:
+                if p not in members and 0 <= p < self.num_processes:
+                    v[p] = 1
+        return v
+
+    def admit(self, joiners: Sequence[int], barrier_pids: Sequence[int]) -> None:
+        """Write the admission keys of ``joiners`` and consume their ready keys."""
+        c = kv.client()
+        value = ",".join(str(p) for p in sorted(barrier_pids)) + f";{time.time():.6f}"
+        with self._lock:
+            nonces = {p: self._seen.pop(p, None) for p in joiners}
+        for p, nonce in nonces.items():
+            if nonce is None:
+                continue  # another member's vote; that member writes this joiner's key
+            c.key_value_set(f"{ADMIT_PREFIX}{p}/{nonce}", value, allow_overwrite=True)
+            c.key_value_delete(f"{READY_PREFIX}{p}/{nonce}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+
+class Joiner:
+    """The joiner's side: find out whether a run is going on, announce, wait to be admitted."""
+
+    def __init__(self, process_id: int, timeouts: Timeouts, poll_s: float = 0.25):
+        self.process_id = process_id
+        self.timeouts = timeouts
+        self.poll_s = poll_s
+        self.nonce = f"{os.getpid()}-{os.urandom(4).hex()}"
+
+    def running_members(self, settle_s: float) -> list[int] | None:
+        """The member list of a running job, or None when no member heartbeats (cold start)."""
+        c = kv.client()
+        try:
+            entries = c.key_value_dir_get(f"{MEMBERS_KEY}/")
+        except Exception:  # noqa: BLE001
+            return None
+        if not entries:
+            return None
+        latest = max((json.loads(v) for _, v in entries), key=lambda r: r["time"])
+        key = kv.Heartbeat.key(latest["beat"])
+        first = _try_get(c, key)
+        deadline = time.monotonic() + settle_s
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            if _try_get(c, key) != first:
+                return list(latest["pids"])
+        return None
+
+    def announce(self) -> None:
+        kv.client().key_value_set(f"{READY_PREFIX}{self.process_id}/{self.nonce}", "1", allow_overwrite=True)
+
+    def wait_admitted(self) -> tuple[list[int], float]:
+        """Block until the members admit this process; returns the barrier's process ids and
+        when they were admitting it (all of them alive then)."""
+        c = kv.client()
+        key = f"{ADMIT_PREFIX}{self.process_id}/{self.nonce}"
+        t0 = time.monotonic()
+        while True:
+            try:
+                value = c.blocking_key_value_get(key, int(self.poll_s * 1000))
+                c.key_value_delete(key)
+                pids, _, when = value.partition(";")
+                return [int(p) for p in pids.split(",") if p], float(when or time.time())
+            except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED: not yet
+                if "DEADLINE" not in str(e) and "timed out" not in str(e).lower():
+                    raise
+            if time.monotonic() - t0 > self.timeouts.admission:
+                raise BarrierTimeout(f"process {self.process_id} was not admitted within "
+                                     f"{self.timeouts.describe('admission')}")
+
+
+def _try_get(c, key: str) -> str | None:
+    try:
+        return c.key_value_try_get(key)
+    except Exception:  # noqa: BLE001 - NOT_FOUND is raised
+        return None
