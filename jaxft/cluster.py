@@ -45,7 +45,8 @@ class Placement:
         return self.source == "single-process"
 
 
-def _parse(value, name: str, parse):
+def parse_env(value, name: str, parse):
+    """``parse(value)`` of environment variable ``name``; None if unset or empty."""
     if value is None or value == "":
         return None
     try:
@@ -66,13 +67,13 @@ def resolve(coordinator_address: str | None, num_processes: int | None, process_
     from_jaxft_env = coordinator_address is None and bool(environ.get(envvars.COORDINATOR))
     fields = {
         "coordinator_address": coordinator_address if coordinator_address is not None
-        else _parse(environ.get(envvars.COORDINATOR), envvars.COORDINATOR, str),
+        else parse_env(environ.get(envvars.COORDINATOR), envvars.COORDINATOR, str),
         "num_processes": num_processes if num_processes is not None
-        else _parse(environ.get(envvars.NUM_PROCESSES), envvars.NUM_PROCESSES, int),
+        else parse_env(environ.get(envvars.NUM_PROCESSES), envvars.NUM_PROCESSES, int),
         "process_id": process_id if process_id is not None
-        else _parse(environ.get(envvars.PROCESS_ID), envvars.PROCESS_ID, int),
+        else parse_env(environ.get(envvars.PROCESS_ID), envvars.PROCESS_ID, int),
         "local_device_ids": list(local_device_ids) if local_device_ids is not None
-        else _parse(environ.get(envvars.LOCAL_DEVICE_IDS), envvars.LOCAL_DEVICE_IDS, parse_ids),
+        else parse_env(environ.get(envvars.LOCAL_DEVICE_IDS), envvars.LOCAL_DEVICE_IDS, parse_ids),
     }
     if environ.get(envvars.PROCESS_ID):
         source = "jaxft-launch"
@@ -89,7 +90,7 @@ def resolve(coordinator_address: str | None, num_processes: int | None, process_
                    "process_id": ("JAX_PROCESS_ID", int), "local_device_ids": ("JAX_LOCAL_DEVICE_IDS", parse_ids)}
         for key, (name, parse) in jax_env.items():
             if fields[key] is None and environ.get(name):
-                fields[key] = _parse(environ[name], name, parse)
+                fields[key] = parse_env(environ[name], name, parse)
                 source = source or "explicit"
     if missing() and environ is os.environ:  # jax's detection reads the process environment
         found = _compat.detect_cluster(max(1, int(initialization_timeout)))

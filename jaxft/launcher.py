@@ -13,7 +13,6 @@ no orphans.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import json
 import os
@@ -24,184 +23,21 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Iterator, Sequence, TextIO
+from typing import Iterator, TextIO
 
 from jaxft import deaths, envvars
-from jaxft.cluster import interface_problem
-from jaxft.console import CONSOLE_MODES, Console
+from jaxft.console import Console
 from jaxft.coordinator import Coordinator, wait_reachable
-from jaxft.errors import EXIT_CONFIG_ERROR, LaunchError, TimeoutsError
-from jaxft.hang import EXIT_HUNG
+from jaxft.errors import EXIT_CONFIG_ERROR, LaunchError
 from jaxft.events import EventLog
-from jaxft.faults import FaultRule, parse_rules
-from jaxft.timeouts import Timeouts
+from jaxft.hang import EXIT_HUNG
+from jaxft.launch_config import RESTART_POLICIES, LaunchConfig
+from jaxft.procs import _fault_dir, _is_stopped, _set_pdeathsig, detect_gpus
 
-# never: a dead worker stays dead; on-failure: restart just that worker (jaxft's elastic
-# path); all: on any failure, kill every worker and restart all of them (what
-# restart-from-checkpoint launchers do; the baseline of the chaos benchmark).
-RESTART_POLICIES = ("never", "on-failure", "all")
+__all__ = ["Launcher", "LaunchConfig", "LaunchError", "RESTART_POLICIES", "detect_gpus"]
+
 EXIT_REASONS = {EXIT_CONFIG_ERROR: "configuration error", EXIT_HUNG: "hung: it stopped itself, stack in its output",
                 75: "gave up waiting at a barrier (Timeouts.barrier)"}
-
-
-@dataclasses.dataclass
-class LaunchConfig:
-    """Everything ``jaxft launch`` needs; validated by :meth:`validate`."""
-
-    num_processes: int  # workers on this node (--nproc-per-node; -n on a single node)
-    command: Sequence[str]
-    restart: str = "never"
-    max_restarts: int = 10
-    faults: Sequence[str] = ()
-    run_dir: str | None = None
-    heartbeat_timeout: int | None = None  # shortcuts for --timeout heartbeat=S / collective=S
-    collective_timeout: int | None = None
-    port: int = 0
-    bind: str | None = None  # where a hosted service listens (default loopback; all interfaces for --host-coordinator)
-    gpus: Sequence[int] | None = None  # one local device id per process
-    grace_s: float = 5.0  # SIGTERM -> SIGKILL bound at shutdown
-    restart_delay_s: float = 0.0  # wait this long before restarting a dead worker
-    hung_after_s: float | None = None  # a SIGSTOPped worker counts as dead after this
-    extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
-    timeouts: Sequence[str] = ()  # NAME=SECONDS settings of jaxft.Timeouts (--timeout)
-    nnodes: int = 1
-    node_rank: int = 0
-    coordinator: str | None = None  # HOST:PORT of the service (another node's, or a `jaxft coordinator`)
-    host_coordinator: bool = False  # this agent hosts the service at --coordinator's port
-    gloo_interface: str | None = None  # network interface of the CPU collectives
-    console: str = "raw"  # progress: logs per process + progress line (the CLI's default); raw: prefixed stream
-    progress_every: float = 10.0  # seconds between plain progress lines when stdout is not a terminal
-
-    @property
-    def total_processes(self) -> int:
-        return self.nnodes * self.num_processes
-
-    @property
-    def first_process(self) -> int:
-        """Global id of this node's first worker."""
-        return self.node_rank * self.num_processes
-
-    def resolved_timeouts(self) -> Timeouts:
-        """The workers' :class:`~jaxft.Timeouts`: ``--timeout`` settings, then the two shortcuts."""
-        try:
-            return Timeouts().updated(list(self.timeouts)).replace(
-                heartbeat=self.heartbeat_timeout, collective=self.collective_timeout)
-        except TimeoutsError as e:
-            raise LaunchError(str(e)) from None
-
-    def validate(self) -> list[FaultRule]:
-        if self.num_processes < 1:
-            raise LaunchError(f"-n must be >= 1, got {self.num_processes}")
-        if not self.command:
-            raise LaunchError("no worker command given; usage: jaxft launch -n N [options] -- COMMAND ARGS...")
-        exe = self.command[0]
-        if shutil.which(exe) is None:
-            raise LaunchError(f"worker command {exe!r} not found (not on PATH, or not executable)")
-        if self.restart not in RESTART_POLICIES:
-            raise LaunchError(f"--restart must be one of {RESTART_POLICIES}, got {self.restart!r}")
-        if self.restart_delay_s < 0:
-            raise LaunchError("--restart-delay must be >= 0")
-        if self.max_restarts < 0:
-            raise LaunchError("--max-restarts must be >= 0")
-        if any(t is not None and t < 1 for t in (self.heartbeat_timeout, self.collective_timeout)):
-            raise LaunchError("--heartbeat-timeout and --collective-timeout must be >= 1 second")
-        if self.gpus is not None and len(self.gpus) != self.num_processes:
-            raise LaunchError(f"{len(self.gpus)} GPUs given for {self.num_processes} processes; "
-                              "jaxft runs one process per GPU")
-        if self.nnodes < 1:
-            raise LaunchError(f"--nnodes must be >= 1, got {self.nnodes}")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise LaunchError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
-        if self.nnodes > 1 and not self.coordinator:
-            raise LaunchError("--nnodes > 1 needs --coordinator HOST:PORT (the node that hosts it passes "
-                              "--host-coordinator too; or run jaxft coordinator separately)")
-        if self.host_coordinator and not self.coordinator:
-            raise LaunchError("--host-coordinator needs --coordinator HOST:PORT (the address the workers dial)")
-        if self.coordinator:
-            host, _, port = self.coordinator.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise LaunchError(f"--coordinator must be HOST:PORT, got {self.coordinator!r}")
-        if not 0 <= self.port < 65536:
-            raise LaunchError(f"--port must be in 0..65535 (0: a free one), got {self.port}")
-        if self.grace_s < 0:
-            raise LaunchError(f"--grace must be >= 0, got {self.grace_s:g}")
-        if self.run_dir is not None:
-            _check_run_dir(self.run_dir)
-        if self.gloo_interface and (problem := interface_problem(self.gloo_interface)):
-            raise LaunchError(f"--gloo-interface: {problem}")
-        self.resolved_timeouts()
-        if self.console not in CONSOLE_MODES:
-            raise LaunchError(f"--console must be one of {CONSOLE_MODES}, got {self.console!r}")
-        rules = parse_rules(list(self.faults))
-        total = self.total_processes
-        for rule in rules:
-            if rule.process is not None and not 0 <= rule.process < total:
-                raise LaunchError(f"fault {rule.spec!r}: process {rule.process} does not exist "
-                                  f"(processes are 0..{total - 1})")
-        return rules
-
-
-def _resolve_prctl():
-    """libc's ``prctl``, looked up once in the launcher (never ``dlopen`` in a forked child,
-    where a loader lock held by another thread of the parent could deadlock it)."""
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _resolve_prctl()
-_PR_SET_PDEATHSIG = 1
-
-
-def _set_pdeathsig() -> None:
-    """In the child, between fork and exec: die with SIGKILL when the launcher dies (Linux).
-    Only a call through the pointer resolved above: no import, no allocation-heavy work."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _is_stopped(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
-
-
-def _check_run_dir(run_dir: str) -> None:
-    """Create ``run_dir`` (or find it) and make sure it is a writable directory."""
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-    except OSError as e:
-        raise LaunchError(f"--run-dir {run_dir!r}: cannot create it ({e.strerror or e})") from None
-    if not os.path.isdir(run_dir) or not os.access(run_dir, os.W_OK | os.X_OK):
-        raise LaunchError(f"--run-dir {run_dir!r} is not a writable directory")
-
-
-FAULT_DIR_PREFIX = "jaxft-faults-"
-
-
-def _fault_dir() -> str:
-    """A fresh directory for fault markers, named after this launcher's pid; those of
-    launchers that died without cleaning up (SIGKILL) are removed first."""
-    tmp = tempfile.gettempdir()
-    for name in os.listdir(tmp):
-        if name.startswith(FAULT_DIR_PREFIX):
-            pid = name[len(FAULT_DIR_PREFIX):].split("-", 1)[0]
-            if pid.isdigit() and not _alive(int(pid)):
-                shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"{FAULT_DIR_PREFIX}{os.getpid()}-")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclasses.dataclass
@@ -527,14 +363,3 @@ class Launcher:
                 json.dump(summary, f, indent=2)
         self.say(f"done in {wall_s:.1f} s, exit code {exit_code}; restarts "
                  + ", ".join(f"p{w.process_id}={w.restarts}" for w in self.workers))
-
-
-def detect_gpus() -> list[int]:
-    """Local NVIDIA GPU indices via ``nvidia-smi -L`` (empty when there are none)."""
-    if shutil.which("nvidia-smi") is None:
-        return []
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return [i for i, line in enumerate(l for l in out.splitlines() if l.startswith("GPU "))]

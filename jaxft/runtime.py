@@ -87,18 +87,6 @@ def configure_environment(collective_timeout: int, environ=os.environ) -> None:
 backend_started = _compat.backend_started
 
 
-def _resolve(value, env_name: str, environ, parse=int):
-    if value is not None:
-        return value
-    raw = environ.get(env_name)
-    if raw is None or raw == "":
-        return None
-    try:
-        return parse(raw)
-    except ValueError:
-        raise InitializeError(f"environment variable {env_name}={raw!r} is malformed") from None
-
-
 def initialize(coordinator_address: str | None = None,
                num_processes: int | None = None,
                process_id: int | None = None,
@@ -183,7 +171,7 @@ def initialize(coordinator_address: str | None = None,
     heartbeat_timeout, collective_timeout = int(timeouts.heartbeat), int(timeouts.collective)
     initialization_timeout = timeouts.initialization
     run_dir = run_dir or environ.get(envvars.RUN_DIR) or None
-    incarnation = _resolve(None, envvars.INCARNATION, environ) or 0
+    incarnation = cluster.parse_env(environ.get(envvars.INCARNATION), envvars.INCARNATION, int) or 0
     place = cluster.resolve(coordinator_address, num_processes, process_id, local_device_ids,
                             external_coordinator, initialization_timeout, environ)
     num_processes, process_id, local_device_ids = place.num_processes, place.process_id, place.local_device_ids

@@ -5,7 +5,6 @@ and exits non-zero. Nothing hangs. Real processes, real SIGKILL."""
 
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path

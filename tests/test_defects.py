@@ -4,10 +4,8 @@ Real processes; single-process cases run in a fresh interpreter.
 """
 
 import json
-import os
 
 import numpy as np
-import pytest
 
 from helpers import MLP, PYTHON, by_event, events, launch, run_python, summary
 

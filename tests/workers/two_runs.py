@@ -12,7 +12,6 @@ parser.add_argument("--steps", type=int, default=8)
 args, _ = parser.parse_known_args()
 rt = jaxft.initialize()
 
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
