@@ -62,6 +62,9 @@ def _add_launch(sub) -> None:
                    help="auto (default: one worker per local GPU when nvidia-smi lists any, else CPU), "
                         "all (GPUs required), none (CPU), or ids like 0,1,2")
     p.add_argument("--grace", type=float, default=5.0, help="SIGTERM -> SIGKILL bound at shutdown, seconds")
+    p.add_argument("--checkpoint-on-stop", action="store_true",
+                   help="on Ctrl-C/SIGTERM, workers agree on a step, save a last checkpoint there (with an "
+                        "ElasticCheckpointer), then exit; raise --grace to leave time for the write")
     p.add_argument("--console", choices=("progress", "raw"), default="progress",
                    help="progress (default): worker output to RUN_DIR/logs/, a progress line, one line per "
                         "incident and a summary (a temporary run dir when --run-dir is not given); "
@@ -130,7 +133,8 @@ def _launch(args, parser) -> int:
                           restart_delay_s=args.restart_delay, timeouts=args.timeout, nnodes=args.nnodes,
                           node_rank=args.node_rank, coordinator=args.coordinator,
                           host_coordinator=args.host_coordinator, gloo_interface=args.gloo_interface,
-                          console="raw" if args.verbose else args.console, progress_every=args.progress_every)
+                          console="raw" if args.verbose else args.console, progress_every=args.progress_every,
+                          checkpoint_on_stop=args.checkpoint_on_stop)
     return Launcher(config).run()
 
 

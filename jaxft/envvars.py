@@ -20,3 +20,4 @@ FAULT_STATE_DIR = "JAXFT_FAULT_STATE_DIR"  # where "rule fired" markers live
 TIMEOUTS = "JAXFT_TIMEOUTS"  # "name=seconds,..." (see jaxft.timeouts.Timeouts)
 GLOO_INTERFACE = "JAXFT_GLOO_INTERFACE"  # network interface CPU collectives (gloo) use, e.g. "eth0"
 GLOO_HOSTNAME = "JAXFT_GLOO_HOSTNAME"  # or the hostname/address gloo advertises
+CHECKPOINT_ON_STOP = "JAXFT_CHECKPOINT_ON_STOP"  # "1": on SIGTERM, agree on a step, save, then exit

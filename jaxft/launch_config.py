@@ -41,6 +41,7 @@ class LaunchConfig:
     coordinator: str | None = None  # HOST:PORT of the service (another node's, or a `jaxft coordinator`)
     host_coordinator: bool = False  # this agent hosts the service at --coordinator's port
     gloo_interface: str | None = None  # network interface of the CPU collectives
+    checkpoint_on_stop: bool = False  # on SIGINT/SIGTERM workers save a last checkpoint before exiting
     console: str = "raw"  # progress: logs per process + progress line (the CLI's default); raw: prefixed stream
     progress_every: float = 10.0  # seconds between plain progress lines when stdout is not a terminal
 

@@ -103,6 +103,8 @@ class Launcher:
             env.pop(envvars.LOCAL_DEVICE_IDS, None)
         if c.gloo_interface:
             env[envvars.GLOO_INTERFACE] = c.gloo_interface
+        if c.checkpoint_on_stop:
+            env[envvars.CHECKPOINT_ON_STOP] = "1"
         return env
 
     def _start(self, worker: _Worker, address: str, fault_dir: str) -> None:

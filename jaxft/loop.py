@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxft import rejoin, transfer
+from jaxft import rejoin, stopping, transfer
 from jaxft.data import shard_batch, step_batch
 from jaxft.errors import ConsistencyError, RetryBudgetExceeded, StepFailed, TooFewMembers
 from jaxft.events import EventLog
@@ -266,6 +266,10 @@ class ElasticLoop:
             record = self.try_step()
             if record is not None:
                 failures, waiting_since = 0, None
+                stop_at = stopping.stop_step(self.step)
+                if stop_at is not None and self.step >= stop_at:  # on_commit saved it if asked to
+                    self.events.log("stopped", step=self.step)
+                    raise SystemExit(stopping.EXIT_STOPPED)
             elif self._too_few is not None:  # nothing failed: too few members to commit
                 waiting_since = waiting_since or time.monotonic()
                 if time.monotonic() - waiting_since > self.group.timeouts.barrier:

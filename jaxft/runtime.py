@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Sequence
 
-from jaxft import _compat, cluster, envvars
+from jaxft import _compat, cluster, envvars, stopping
 from jaxft import timeouts as timeouts_lib
 from jaxft.coordinator import wait_reachable
 from jaxft.errors import EXIT_CONFIG_ERROR, ConfigError, InitializeError, TimeoutsError
@@ -269,6 +269,9 @@ def _install_stop_handlers() -> None:
 
 
 def _on_sigterm(signum, _frame) -> None:
+    if stopping.wanted():  # save a last checkpoint at an agreed step first (jaxft.stopping)
+        stopping.request()
+        return
     raise SystemExit(128 + signum)
 
 

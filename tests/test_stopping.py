@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from helpers import (ALLREDUCE_WORKER, JAXFT, PYTHON, by_event, events, launch, processes_with, run_jaxft,
+from helpers import (ALLREDUCE_WORKER, JAXFT, MLP, PYTHON, by_event, events, launch, processes_with, run_jaxft,
                      started, summary, wait_for)
 
 
@@ -129,3 +129,28 @@ def test_report_skips_lines_that_are_not_events(tmp_path):
     r = run_jaxft("report", str(tmp_path), "--json", timeout=60)
     assert r.returncode == 0, r.describe()
     assert '"steps_committed": 1' in r.stdout, r.describe()
+
+
+def test_checkpoint_on_stop_saves_a_last_checkpoint_and_resumes_there(tmp_path, marker):
+    run = tmp_path / "run"
+    worker = [PYTHON, str(MLP), "--steps", "400", "--step_sleep", "0.1", "--checkpoint_every", "1000",
+              "--hidden", "16", marker]
+    args = [*JAXFT, "launch", "-n", "2", "--run-dir", str(run), "--grace", "30", "--checkpoint-on-stop",
+            "--console", "raw", "--", *worker]
+    with started(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        wait_for(lambda: by_event(events(run), "commit", step=5), timeout=120, interval=0.2, what="step 5")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "ignored SIGTERM" not in out and "Traceback" not in out, out
+    ev = events(run)
+    stopped = by_event(ev, "stopped")
+    assert sorted(e["process"] for e in stopped) == [0, 1] and len({e["step"] for e in stopped}) == 1, stopped
+    step = stopped[0]["step"]
+    assert {e["process"] for e in by_event(ev, "checkpoint_saved", step=step)} == {0, 1}, out
+    assert {e.get("code") for e in summary(run)["exits"]} == {128 + signal.SIGTERM}
+    # The next run of the same job starts from that checkpoint.
+    again = launch(2, [PYTHON, str(MLP), "--steps", str(step + 2), "--checkpoint_every", "1000", "--hidden", "16"],
+                   run_dir=run, timeout=120)
+    assert again.returncode == 0, again.describe()
+    assert {e["step"] for e in by_event(events(run), "restored")} == {step}

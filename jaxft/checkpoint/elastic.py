@@ -15,6 +15,7 @@ import os
 from typing import Any, Mapping
 
 from jaxft.checkpoint.store import CheckpointStore, Restored, _Save
+from jaxft import stopping
 from jaxft.errors import CheckpointDirectoryError
 from jaxft.events import EventLog
 from jaxft.timeouts import Timeouts
@@ -118,7 +119,11 @@ class ElasticCheckpointer:
         self.store.notice_members(record.members, incs)
         self.store.poll()
         step = _loop(trainer).step
-        if self.every and step % self.every == 0:
+        stop_at = stopping.stop_step(step)
+        if stop_at is not None and step >= stop_at:  # a clean stop: a last checkpoint, written out
+            self.save(trainer, record, incarnations=incs)
+            self.close()
+        elif self.every and step % self.every == 0:
             self.save(trainer, record, incarnations=incs)
 
     def save(self, trainer, record=None, *, incarnations: Mapping[int, int] | None = None) -> _Save | None:
