@@ -14,7 +14,7 @@ def reference(tmp_path_factory):
     return finals(events)[0]
 
 
-def check_run(events, reference, restarts, n=3):
+def check_run(events, reference, restarts, n=3, why=""):
     f = finals(events)
     assert sorted(e["process"] for e in f) == list(range(n))
     assert len({e["params_sha256"] for e in f}) == 1, "members must end bitwise identical"
@@ -29,7 +29,7 @@ def check_run(events, reference, restarts, n=3):
         assert len({c["generation"] for c in commits}) == 1, f"step {step}: generations disagree"
     assert by_step[STEPS - 1][0]["members"] == list(range(n)), "back to full width"
     joins, rehydrated = of(events, "join"), of(events, "rehydrated")
-    assert len(joins) == len(rehydrated) == restarts
+    assert len(joins) == len(rehydrated) == restarts, why
     for r in rehydrated:
         assert r["bytes"] > 0 and r["donor"] != r["process"] and r["seconds"] >= 0
         donor_commits = [c for c in by_step[r["step"] - 1] if c["process"] == r["donor"]]
@@ -57,7 +57,7 @@ def test_two_join_at_once_and_one_dies_as_they_join(reference, tmp_path):
               "kill:process=0:step=12:phase=after-commit"]
     proc, events = train(tmp_path, MLP, "--steps", str(STEPS), n=4, faults=faults, restart="on-failure")
     assert proc.returncode == 0, proc.describe()
-    check_run(events, reference, restarts=4, n=4)
+    check_run(events, reference, restarts=4, n=4, why=proc.describe())
     assert {r["process"] for r in of(events, "rehydrated", step=5)} == {1, 2}
 
 
