@@ -369,6 +369,7 @@ class ElasticGroup:
 
     def _reset_data_plane(self, current: Mapping[int, int]) -> None:
         """Agree, clear stale rendezvous keys, barrier, rebuild the CPU backend."""
+        self.hang.long_step()  # waits for every member, then recompiles: Timeouts.setup bounds it
         digest = _map_digest(current)
         attempt = self._reset_attempts.get(digest, 0)
         self._reset_attempts[digest] = attempt + 1

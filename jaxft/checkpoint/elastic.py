@@ -122,7 +122,8 @@ class ElasticCheckpointer:
         stop_at = stopping.stop_step(step)
         if stop_at is not None and step >= stop_at:  # a clean stop: a last checkpoint, written out
             self.save(trainer, record, incarnations=incs)
-            self.close()
+            with _loop(trainer).group.busy():
+                self.close()
         elif self.every and step % self.every == 0:
             self.save(trainer, record, incarnations=incs)
 
@@ -145,8 +146,9 @@ class ElasticCheckpointer:
             meta["data"] = dict(meta["data"], position=step * meta["data"]["global_batch"])
         meta["rng"] = "parameters and data order derive from the seeds above and the step"
         meta["members"] = list(record.members)
-        save = self.store.save(step, loop.state, members=record.members,
-                               incarnations=incs, metadata=meta)
+        with loop.group.busy():  # its barriers wait for every member: not a hang (jaxft.hang)
+            save = self.store.save(step, loop.state, members=record.members,
+                                   incarnations=incs, metadata=meta)
         if self.faults is not None:
             self.faults.point("during-save", step)
         return save
