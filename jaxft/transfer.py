@@ -138,7 +138,9 @@ def broadcast_tree(tree: PyTree, donor: int, mesh: Mesh, axis_name: str = "data"
         return jax.tree_util.tree_unflatten(treedef, out)
 
     devices = list(mesh.devices.flat)
-    source = next(i for i, d in enumerate(devices) if d.process_index == donor)
+    source = next((i for i, d in enumerate(devices) if d.process_index == donor), None)
+    if source is None:
+        raise ValueError(f"donor process {donor} has no device in the mesh")
     local = [d for d in devices if d.process_index == pid]
     num = len(devices)
     sharding = NamedSharding(mesh, P(axis_name))
@@ -152,8 +154,8 @@ def broadcast_tree(tree: PyTree, donor: int, mesh: Mesh, axis_name: str = "data"
         n = min(chunk, total - start)
         length = _chunk_len(n, chunk)
         if is_donor:
-            while sizes[leaf] == offset:  # skip empty / finished leaves
-                leaf, offset = leaf + 1, 0
+            while sizes[leaf] == offset:  # skip empty / finished leaves (and drop their views)
+                views[leaf], leaf, offset = None, leaf + 1, 0
             if length == n and sizes[leaf] - offset >= n:
                 if views[leaf] is None:
                     views[leaf] = _flat_bytes(srcs[leaf])
@@ -165,7 +167,7 @@ def broadcast_tree(tree: PyTree, donor: int, mesh: Mesh, axis_name: str = "data"
                 row, filled = staging[:length], 0
                 while filled < n:
                     while sizes[leaf] == offset:
-                        leaf, offset = leaf + 1, 0
+                        views[leaf], leaf, offset = None, leaf + 1, 0
                     if views[leaf] is None:
                         views[leaf] = _flat_bytes(srcs[leaf])
                     k = min(n - filled, sizes[leaf] - offset)
@@ -185,7 +187,7 @@ def broadcast_tree(tree: PyTree, donor: int, mesh: Mesh, axis_name: str = "data"
         filled = 0
         while filled < n:
             while sizes[leaf] == offset:
-                leaf, offset = leaf + 1, 0
+                views[leaf], leaf, offset = None, leaf + 1, 0
             k = min(n - filled, sizes[leaf] - offset)
             views[leaf][offset:offset + k] = data[filled:filled + k]
             filled, offset = filled + k, offset + k

@@ -39,6 +39,7 @@ def make_tree(seed: int, big: int) -> dict:
         "nested": [np.float64(r.random()), r.standard_normal((3, 1, 5)).astype(np.float16),
                    jnp.asarray(r.standard_normal(777).astype(np.float32))],  # a jax array leaf
         "odd": r.integers(0, 255, 13, dtype=np.uint8),
+        "transposed": r.standard_normal((40, 30)).astype(np.float32).T,  # not C-contiguous
     }
 
 
