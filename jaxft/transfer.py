@@ -6,15 +6,16 @@ gloo (CPU) and NCCL (GPU) alike and fails like any other collective when a peer 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxft.types import PyTree
-DEFAULT_CHUNK_BYTES = 16 << 20  # bounds the extra memory of a transfer per process
+
+DEFAULT_CHUNK_BYTES = 8 << 20  # bounds the extra memory of a transfer per process
 
 
 def _local_devices(mesh: Mesh) -> list[jax.Device]:
@@ -32,10 +33,6 @@ def _rows_array(row: np.ndarray, mesh: Mesh, axis_name: str) -> jax.Array:
 
 def _identity(x):
     return x
-
-
-def _sum0(x):
-    return jnp.sum(x, axis=0)
 
 
 def _replicating(fn, mesh: Mesh):
@@ -69,48 +66,133 @@ def tree_norm(tree: PyTree) -> float:
     return float(np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree_util.tree_leaves(tree))))
 
 
-def _to_words(tree: PyTree) -> np.ndarray:
-    parts = [np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8) for x in jax.tree_util.tree_leaves(tree)]
-    raw = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
-    pad = (-raw.size) % 4
-    if pad:
-        raw = np.concatenate([raw, np.zeros(pad, np.uint8)])
-    return raw.view(np.uint32)
+def _leaf_meta(leaf) -> tuple[tuple[int, ...], np.dtype]:
+    """A leaf's shape and dtype without touching its data (as ``np.asarray`` would see them)."""
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+        return tuple(leaf.shape), np.dtype(leaf.dtype)
+    a = np.asarray(leaf)
+    return a.shape, a.dtype
 
 
-def _from_words(words: np.ndarray, template: PyTree) -> PyTree:
-    raw = words.view(np.uint8)
-    leaves, treedef = jax.tree_util.tree_flatten(template)
-    out, offset = [], 0
-    for leaf in leaves:
-        a = np.asarray(leaf)
-        n = a.nbytes
-        out.append(raw[offset:offset + n].view(a.dtype).reshape(a.shape).copy())
-        offset += n
-    return jax.tree_util.tree_unflatten(treedef, out)
+def _flat_bytes(a: np.ndarray) -> np.ndarray:
+    """``a``'s bytes as a flat ``uint8`` view (a copy only when ``a`` is not C-contiguous)."""
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+@functools.lru_cache(maxsize=32)
+def _broadcaster(mesh: Mesh, axis_name: str, source: int):
+    """A jitted ``[D, k] -> [D, k]`` (sharded over ``axis_name``) that copies row ``source`` to
+    every row as a binomial tree of ``ppermute`` rounds: ceil(log2 D) rounds, each device
+    receives the bytes exactly once, nothing is summed. The other rows must come in as zeros
+    (the rounds OR what arrives into them, which is exact because each gets one non-zero input)."""
+    num = mesh.devices.size
+    rounds = []
+    span = 1
+    while span < num:
+        rounds.append([((source + p) % num, (source + p + span) % num) for p in range(span) if p + span < num])
+        span *= 2
+
+    def body(x):
+        if len(rounds) == 1:  # two devices: the receiver's row is what arrives (the donor's is unused)
+            return jax.lax.ppermute(x, axis_name, rounds[0])
+        for perm in rounds:
+            x = x | jax.lax.ppermute(x, axis_name, perm)
+        return x
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis_name), out_specs=P(axis_name)))
+
+
+def _chunk_len(nbytes: int, chunk: int) -> int:
+    """The length a chunk of ``nbytes`` travels as: full chunks as they are, a short last one
+    rounded up to a power of two (>= 4 KiB), so a transfer compiles at most a few shapes."""
+    if nbytes >= chunk:
+        return chunk
+    return min(chunk, max(4096, 1 << (nbytes - 1).bit_length()))
 
 
 def broadcast_tree(tree: PyTree, donor: int, mesh: Mesh, axis_name: str = "data",
                    chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> PyTree:
     """Every process gets process ``donor``'s ``tree`` (same structure, shapes, dtypes).
 
-    The bytes travel as ``uint32`` words in chunks of at most ``chunk_bytes``: each
-    chunk is a sum-all-reduce to which only the donor contributes non-zeros, so the
-    result is bit-exact and the extra memory is a few chunks, whatever the tree's size.
+    The leaves' bytes stream in tree-flatten order, in chunks of at most ``chunk_bytes``
+    (leaves packed together, a large leaf cut up); each chunk is one jitted ``ppermute``
+    broadcast from the donor's device (see :func:`_broadcaster`), and every receiver copies
+    it straight into its output leaves. Bit-exact; the extra host memory on every process
+    (donor, joiners, bystanders) is a few chunks whatever the tree's size. The donor returns
+    its own leaves as numpy arrays (no copy; a view of a jax array's host buffer); the others
+    return freshly allocated ones.
     """
-    is_donor = jax.process_index() == donor
-    words = _to_words(tree)
-    total = words.size
-    chunk = max(1, chunk_bytes // 4)
-    received = np.empty(total, np.uint32)
-    zeros = np.zeros(min(chunk, max(total, 1)), np.uint32)
-    summed = _replicating(_sum0, mesh)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    pid = jax.process_index()
+    is_donor = pid == donor
+    if is_donor:
+        out = [np.asarray(x) for x in leaves]
+        srcs = out
+    else:
+        out = [np.empty(*_leaf_meta(x)) for x in leaves]
+        srcs = None
+    views = [_flat_bytes(a) if not is_donor or a.flags.c_contiguous else None for a in out]
+    sizes = [a.nbytes for a in out]
+    total = sum(sizes)
+    if total == 0:
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    devices = list(mesh.devices.flat)
+    source = next((i for i, d in enumerate(devices) if d.process_index == donor), None)
+    if source is None:
+        raise ValueError(f"donor process {donor} has no device in the mesh")
+    local = [d for d in devices if d.process_index == pid]
+    num = len(devices)
+    sharding = NamedSharding(mesh, P(axis_name))
+    send = _broadcaster(mesh, axis_name, source)
+    chunk = max(1, int(chunk_bytes))
+    staging = None  # the donor's buffer for chunks that straddle leaves (or are padded)
+    zeros: dict[int, list[jax.Array]] = {}  # a receiver's all-zero input shards, by length
+
+    leaf, offset = 0, 0  # the stream position: leaf index and byte offset in it
     for start in range(0, total, chunk):
-        stop = min(total, start + chunk)
-        row = words[start:stop] if is_donor else zeros[: stop - start]
-        out = summed(_rows_array(row, mesh, axis_name))
-        received[start:stop] = np.asarray(jax.block_until_ready(out).addressable_data(0))
-    return _from_words(received, tree)
+        n = min(chunk, total - start)
+        length = _chunk_len(n, chunk)
+        if is_donor:
+            while sizes[leaf] == offset:  # skip empty / finished leaves (and drop their views)
+                views[leaf], leaf, offset = None, leaf + 1, 0
+            if length == n and sizes[leaf] - offset >= n:
+                if views[leaf] is None:
+                    views[leaf] = _flat_bytes(srcs[leaf])
+                row = views[leaf][offset:offset + n]
+                offset += n
+            else:
+                if staging is None or staging.size < length:
+                    staging = np.zeros(length, np.uint8)
+                row, filled = staging[:length], 0
+                while filled < n:
+                    while sizes[leaf] == offset:
+                        views[leaf], leaf, offset = None, leaf + 1, 0
+                    if views[leaf] is None:
+                        views[leaf] = _flat_bytes(srcs[leaf])
+                    k = min(n - filled, sizes[leaf] - offset)
+                    row[filled:filled + k] = views[leaf][offset:offset + k]
+                    filled, offset = filled + k, offset + k
+            shards = [jax.device_put(row[None], d) for d in local]
+        else:
+            if length not in zeros:
+                z = np.zeros((1, length), np.uint8)
+                zeros[length] = [jax.device_put(z, d) for d in local]
+            shards = zeros[length]
+        x = jax.make_array_from_single_device_arrays((num, length), sharding, shards)
+        got = jax.block_until_ready(send(x))
+        if is_donor:
+            continue
+        data = np.asarray(got.addressable_data(0)).reshape(-1)
+        filled = 0
+        while filled < n:
+            while sizes[leaf] == offset:
+                views[leaf], leaf, offset = None, leaf + 1, 0
+            k = min(n - filled, sizes[leaf] - offset)
+            views[leaf][offset:offset + k] = data[filled:filled + k]
+            filled, offset = filled + k, offset + k
+        del got, data
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def check_consistent(tree: PyTree, mesh: Mesh, axis_name: str = "data") -> list[int]:

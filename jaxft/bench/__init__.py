@@ -86,7 +86,11 @@ def run(args) -> int:
         figures = bench_rehydrate(args.n, args.mb)
         print(f"rehydrate {figures['bytes'] / 1e6:.1f} MB: {figures['seconds']:.3f} s "
               f"({figures['mb_per_s']} MB/s); TCP loopback {figures['socket_seconds']:.3f} s "
-              f"({figures['socket_mb_per_s']} MB/s); ratio {figures['ratio']} (correct: {figures['correct']})")
+              f"({figures['socket_mb_per_s']} MB/s); ratio {figures['ratio']} (time; rate ratio "
+              f"{figures['rate_ratio']}) (correct: {figures['correct']})")
+        print("peak extra host memory (RSS high-water over a transfer less the result's own leaves), "
+              "first transfer / later ones: " + ", ".join(f"{role} {m['first']} / {m['warm']} MB"
+                                                          for role, m in figures["peak_extra_mb"].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

@@ -12,6 +12,7 @@ import threading
 import time
 
 from jaxft.bench._jobs import launch, result
+from jaxft.events import read_events
 
 
 def _socket_copy_s(nbytes: int) -> float:
@@ -42,6 +43,23 @@ def _socket_copy_s(nbytes: int) -> float:
     return elapsed
 
 
+def _rss_kib() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process in KiB (Linux)."""
+    with open("/proc/self/status") as f:
+        d = {line.split(":")[0]: int(line.split()[1]) for line in f if line.startswith(("VmRSS", "VmHWM"))}
+    return d["VmRSS"], d["VmHWM"]
+
+
+def _reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (``clear_refs`` 5); False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def worker(mb: float) -> None:
     import jaxft
 
@@ -57,20 +75,31 @@ def worker(mb: float) -> None:
     group = jaxft.ElasticGroup()
     with group.step() as m:  # fresh processes: first step rebuilds the data plane
         pass
-    times = []
+    times, extra = [], []
+    nbytes = transfer.tree_nbytes(tree)
     for _ in range(3):
         with group.step() as m:
+            got = None  # the previous round's result must not count as this round's baseline
+            peak_ok = _reset_peak()
+            rss0 = _rss_kib()[0]
             t0 = time.perf_counter()
             got = transfer.broadcast_tree(tree, 0, m.mesh)
             times.append(time.perf_counter() - t0)
+            # Peak RSS over the transfer above the RSS before it, less the result's own leaves
+            # (a receiver's new tree; the donor returns its own leaves): the transfer's overhead.
+            result = 0 if rt.process_id == 0 else nbytes
+            extra.append(max(0, (_rss_kib()[1] - rss0) * 1024 - result) if peak_ok else None)
     ok = all(np.array_equal(got[k], np.asarray(v) if rt.process_id == 0 else got[k]) for k, v in tree.items())
     ok = ok and bool(got["params"][-1] == np.float32(n // 2 - 1))
-    nbytes = transfer.tree_nbytes(tree)
+    role = "donor" if rt.process_id == 0 else "joiner" if rt.process_id == 1 else "bystander"
+    rt.events.log("bench_rehydrate_memory", role=role,
+                  rounds_mb=[None if e is None else round(e / 1e6, 1) for e in extra])
     sock = statistics.median(_socket_copy_s(nbytes) for _ in range(3)) if rt.process_id == 0 else 0.0
     t = statistics.median(times)
     rt.events.log("bench_rehydrate", bytes=nbytes, seconds=round(t, 4), mb_per_s=round(nbytes / t / 1e6, 1),
                   socket_seconds=round(sock, 4), socket_mb_per_s=round(nbytes / sock / 1e6, 1) if sock else None,
-                  ratio=round(t / sock, 2) if sock else None, correct=ok, processes=rt.num_processes)
+                  ratio=round(t / sock, 2) if sock else None,
+                  rate_ratio=round(sock / t, 2) if sock else None, correct=ok, processes=rt.num_processes)
     group.finish()
 
 
@@ -78,8 +107,20 @@ def bench_rehydrate(n: int = 2, mb: float = 100) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         launch(n, __name__, [str(mb)], run_dir)
         r = result(run_dir, "bench_rehydrate")
-    return {k: r[k] for k in ("bytes", "seconds", "mb_per_s", "socket_seconds", "socket_mb_per_s", "ratio",
-                              "correct", "processes")}
+        memory: dict[str, dict] = {}
+        for e in read_events(run_dir):
+            if e["event"] == "bench_rehydrate_memory":
+                rounds = e["rounds_mb"]
+                seen = memory.setdefault(e["role"], {"first": None, "warm": None})
+                if None not in rounds:  # the largest over the processes of this role
+                    seen["first"] = max(seen["first"] or 0.0, rounds[0])
+                    seen["warm"] = max(seen["warm"] or 0.0, max(rounds[1:]))
+    figures = {k: r[k] for k in ("bytes", "seconds", "mb_per_s", "socket_seconds", "socket_mb_per_s", "ratio",
+                                 "rate_ratio", "correct", "processes")}
+    # per role (donor, joiner, bystander with -n 3 or more): the first transfer (it compiles) and
+    # the largest of the later ones
+    figures["peak_extra_mb"] = {role: memory[role] for role in ("donor", "joiner", "bystander") if role in memory}
+    return figures
 
 
 
