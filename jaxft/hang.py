@@ -12,7 +12,9 @@ and every other member waits for it at the next barrier. jaxft bounds that wait:
   stack (``faulthandler``) into its log, logs a ``hung`` event, and ends the process with
   :data:`EXIT_HUNG`. Its launcher restarts it by policy; the others see it gone and go on
   without it, then it rejoins.
-* The deadline is ``max(Timeouts.step, STEP_FACTOR x the recent median step time)``; the
+* The deadline is ``max(Timeouts.step, STEP_FACTOR x the recent median step time,
+  Timeouts.collective + Timeouts.heartbeat + 1 s)`` (the last: a member in a collective with
+  a dead peer waits that long by design); the
   set-up before the first step, a step that compiles for a new mesh and a step that
   rehydrates use ``Timeouts.setup`` instead, so a long first compile or a checkpoint
   restore is never taken for a hang. :meth:`HangMonitor.busy` exempts legitimately long
@@ -109,7 +111,10 @@ class HangMonitor:
         if long or len(starts) < 3:
             return self.timeouts.setup
         median = statistics.median(b - a for a, b in zip(starts, starts[1:]))
-        return max(self.timeouts.step, STEP_FACTOR * median)
+        # A member inside a collective with a dead peer legitimately waits until the collective
+        # fails (Timeouts.collective) and the service declares the peer dead (heartbeat).
+        patience = self.timeouts.collective + self.timeouts.heartbeat + 1.0
+        return max(self.timeouts.step, STEP_FACTOR * median, patience)
 
     # -- waiting at a barrier -----------------------------------------------------------------
     def waiting(self, what: str) -> None:
