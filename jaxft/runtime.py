@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
 import dataclasses
+import logging
 import math
 import os
 import shlex
