@@ -26,3 +26,35 @@ def test_buckets_add_up_and_redone_steps_are_wasted():
     assert g["wasted"] == pytest.approx(2.0)  # steps 4 (1 s of its 5 s piece) and 5, computed again
     assert g["checkpoint_restore"] == pytest.approx(0.5)
     assert g["recovery"] == pytest.approx(4.0 - 0.5)  # the rest of the 5 s piece, less the restore
+
+
+def test_report_compares_two_runs_side_by_side(tmp_path):
+    """`jaxft report A B`: both runs' goodput in one table and one picture."""
+    import json
+
+    from helpers import run_jaxft
+
+    def run(name: str, redo: bool) -> str:
+        d = tmp_path / name
+        d.mkdir()
+        t = 1000.0
+        ev = [{"time": t, "event": "run_start", "process": "launcher", "incarnation": 0}]
+        for step in range(6):
+            t += 1.0
+            ev.append({"time": t, "event": "commit", "process": 0, "incarnation": 0, "step": step, "members": [0],
+                       "loss": 1.0})
+            if redo and step == 3:  # the step is computed again after a failure
+                t += 2.0
+                ev.append({"time": t, "event": "commit", "process": 0, "incarnation": 1, "step": step,
+                           "members": [0], "loss": 1.0})
+        ev.append({"time": t + 1, "event": "run_end", "process": "launcher", "incarnation": 0})
+        (d / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ev))
+        return str(d)
+
+    a, b = run("steady", False), run("redone", True)
+    r = run_jaxft("report", a, b, "--json", timeout=120)
+    assert r.returncode == 0, r.describe()
+    out = json.loads(r.stdout)
+    assert set(out["runs"]) == {"steady", "redone"}, out.keys()
+    assert out["runs"]["redone"]["goodput"]["wall_s"] > out["runs"]["steady"]["goodput"]["wall_s"]
+    assert (tmp_path / "steady" / "compare.png").stat().st_size > 0
