@@ -66,10 +66,6 @@ def finished_value() -> str | None:
         return None
 
 
-def run_finished() -> bool:
-    """Whether some process called :func:`mark_finished`."""
-    return finished_value() is not None
-
 
 # -- liveness: a heartbeat in the key-value store ----------------------------------------------
 HEARTBEAT_PREFIX = "jaxft/alive/"

@@ -23,10 +23,6 @@ from jaxft.events import EventLog
 from jaxft.faults import FaultInjector, FaultRule
 from jaxft.timeouts import Timeouts
 
-DEFAULT_HEARTBEAT_TIMEOUT = int(Timeouts.heartbeat)
-DEFAULT_COLLECTIVE_TIMEOUT = int(Timeouts.collective)
-DEFAULT_INITIALIZATION_TIMEOUT = int(Timeouts.initialization)
-
 # From the JAX fault-tolerance guide: NCCL errors must not terminate the process, and
 # collectives must be abortable when a participant dies (GPU only; ignored on CPU).
 GPU_XLA_FLAGS = {
@@ -82,9 +78,6 @@ def configure_environment(collective_timeout: int, environ=os.environ) -> None:
     environ["XLA_FLAGS"] = merge_xla_flags(environ.get("XLA_FLAGS", ""), wanted)
     for key, value in GPU_ENV.items():
         environ.setdefault(key, value)
-
-
-backend_started = _compat.backend_started
 
 
 def initialize(coordinator_address: str | None = None,
@@ -354,6 +347,3 @@ def _fault_logger(events: EventLog):
         events.log("fault", action=rule.action, step=step, phase=rule.phase, spec=rule.spec)
 
     return on_fire
-
-
-distributed_client = _compat.distributed_client  # kept for callers of jaxft.runtime.distributed_client
