@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from jaxft import envvars
 
@@ -64,7 +65,9 @@ class DeathWatch:
         self.state_dir = state_dir if state_dir is not None else os.environ.get(envvars.FAULT_STATE_DIR)
         self.poll_s = poll_s
         self.since: dict[int, tuple[int, float]] = {}  # process -> (service incarnation, first seen)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="jaxft-live")
+        # Queries left waiting for a dead process, by process set: the service keeps each one
+        # open (this process counted in) until every live process of the set has asked.
+        self._abandoned: dict[tuple[int, ...], concurrent.futures.Future] = {}
 
     def assume_alive_since(self, pids: Sequence[int], t: float) -> None:
         """A joiner's first view: ``pids`` were all alive at time ``t`` (when it was admitted)."""
@@ -89,15 +92,25 @@ class DeathWatch:
         rec = deaths(self.state_dir)
         return {p for p in pids if p in rec and p in self.since and rec[p] > self.since[p][1]}
 
-    def live_nodes(self, query: Callable[[list[int]], Mapping[Any, Any]], pids: Sequence[int]) -> dict[int, int]:
+    def live_nodes(self, query: Callable[[list[int]], Mapping[Any, Any]], pids: Sequence[int],
+                   expect: Collection[int] = ()) -> dict[int, int]:
         """``query(pids)`` (a ``get_live_nodes`` barrier), re-asked without any process the
         launcher records dead while waiting. Every member that waits for that process sees
-        the same record, so all of them move to the same smaller query."""
+        the same record, so all of them move to the same smaller query.
+
+        An abandoned query stays open in the service, this process counted in, until every
+        live process of its set has asked: if the dead process's next life joins a later
+        query over that same set (``expect``: the joiners being admitted), its first ask
+        would complete the old query alone and leave the members' new one waiting for it
+        for ever. So a query over a set with an abandoned one waits on that one instead
+        (the service counts this process in already), and takes its answer if the answer
+        came with the joiners in it.
+        """
         pids = sorted(pids)
         if not self.state_dir:
             return {int(p): int(i) for p, i in query(pids).items()}
         while True:
-            future = self._pool.submit(query, list(pids))
+            future = self._reuse(tuple(pids), expect) or _ask(query, pids)
             while True:
                 try:
                     return {int(p): int(i) for p, i in future.result(timeout=self.poll_s * 4).items()}
@@ -105,4 +118,31 @@ class DeathWatch:
                     gone = self.dead(pids)
                     if gone:
                         break
-            pids = [p for p in pids if p not in gone]  # the abandoned query ends at the heartbeat timeout
+            self._abandoned[tuple(pids)] = future
+            pids = [p for p in pids if p not in gone]
+
+    def _reuse(self, key: tuple[int, ...], expect: Collection[int]) -> concurrent.futures.Future | None:
+        """The abandoned query over ``key`` if it is still open, or answered with ``expect`` in it."""
+        future = self._abandoned.pop(key, None)
+        if future is None or not future.done():
+            return future
+        try:
+            answer = future.result()
+        except Exception:  # noqa: BLE001 - a failed old query: ask again
+            return None
+        return future if expect and set(expect) <= {int(p) for p in answer} else None
+
+
+def _ask(query: Callable[[list[int]], Mapping[Any, Any]], pids: Sequence[int]) -> concurrent.futures.Future:
+    """Run ``query(pids)`` in a daemon thread (an abandoned one may never return: it must not
+    hold up the interpreter's exit, as a thread pool's workers would)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(query(list(pids)))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="jaxft-live", daemon=True).start()
+    return future

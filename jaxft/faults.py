@@ -9,6 +9,8 @@ A fault spec is ``ACTION:key=value:...``:
 * ``stop:process=2:step=7`` -- SIGSTOP: the worker stays alive but hangs.
 * ``hang:process=2:step=7[:for=30s]`` -- the worker sleeps (alive, running, not stopped)
   at that point, for ``for`` seconds or until killed: a stuck read or a deadlock.
+* phase ``in-step``: inside the atomic step, right before this process launches the step's
+  program: a kill there leaves the other members waiting in the step's all-reduce.
 * phases ``during-rehydrate`` (the members agreed who is behind and who donates; the state
   has not moved yet: fires in the donor, the joiners and bystanders, with the step the
   process holds) and ``during-restore`` (a cold restore read the checkpoint, nothing
@@ -32,7 +34,7 @@ from jaxft import envvars
 from jaxft.errors import FaultSpecError
 
 ACTIONS = ("kill", "kill-all", "stop", "hang")
-PHASES = ("before-step", "after-grad", "after-commit", "during-save", "during-rehydrate", "during-restore")
+PHASES = ("before-step", "in-step", "after-grad", "after-commit", "during-save", "during-rehydrate", "during-restore")
 DEFAULT_PHASE = "after-grad"
 
 

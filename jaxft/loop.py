@@ -301,6 +301,7 @@ class ElasticLoop:
                 fn = self._fn(m)
                 batch, mask = self._batch(step, m)
                 agreed = None
+                self.faults.point("in-step", step)
                 if self.group.admission == "ready":  # admission votes ride in the step's own program
                     votes = _votes_array(self.group.votes(m), m.mesh, self.group.axis_name)
                     new_global, metrics, agreed = fn(self._replicated(state, m), batch, mask, votes)

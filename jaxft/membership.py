@@ -32,7 +32,7 @@ from jax.experimental import multihost_utils
 from jax.extend import backend as jax_backend
 from jax.sharding import Mesh
 
-from jaxft import _compat, admission as admission_lib, deaths as deaths_lib, kv
+from jaxft import _compat, admission as admission_lib, breaker, deaths as deaths_lib, kv
 from jaxft import timeouts as timeouts_lib
 from jaxft.errors import StepFailed
 from jaxft.hang import WAIT_NOTICE_S, HangMonitor
@@ -114,11 +114,13 @@ class ElasticGroup:
         self._synced: dict[int, int] | None = None  # member map the data plane was built for
         self._agreed: dict[int, int] | None = None  # member map of the last committed step
         self._reset_attempts: dict[str, int] = {}
-        # Device lists whose CPU communicators saw a failed step since the last rebuild: gloo
-        # keeps them cached per device list, and an aborted all-reduce can leave a partial
-        # message on a pair, which the next collective on the same list would read as its own
-        # ("Received data size doesn't match expected size", SIGABRT). Rebuild before reuse.
-        self._tainted: set[tuple[int, ...]] = set()
+        # A step failed after its body began: the CPU communicators are suspect. gloo caches
+        # them per device list; an aborted all-reduce can leave a partial message on a pair,
+        # which the next collective would read as its own ("Received data size doesn't match
+        # expected size", SIGABRT), and a member whose collective failed broke its connections
+        # (jaxft.breaker), which every pair with it shares. Every member of a failed step sees
+        # the same failure, so all of them rebuild at the next step.
+        self._tainted = False
         self._meshes: dict[tuple[int, ...], Mesh] = {}
         self._pre_reset: list[Callable[[], None]] = []
         self._post_reset: list[Callable[[], None]] = []
@@ -180,6 +182,7 @@ class ElasticGroup:
                     self.hang.long_step()  # a compile or a rejoin: bounded by Timeouts.setup
                 yield members
             except BaseException as e:
+                self._break_if_collective_failed(e)
                 with self._watch("leaving a failed step"):
                     if not cm.__exit__(type(e), e, e.__traceback__):
                         raise
@@ -188,8 +191,8 @@ class ElasticGroup:
                     cm.__exit__(None, None, None)
                 self._agreed = dict(members.incarnations)
         except multihost_utils.ProcessFailureError as e:
-            if members is not None:  # collectives may have run on these devices' communicators
-                self._tainted.add(tuple(d.id for d in members.devices))
+            if members is not None:
+                self._taint()
             raise StepFailed({d.process_index for d in e.failed_devices}, e.__cause__) from e
         finally:
             self.hang.phase("between steps")
@@ -212,7 +215,7 @@ class ElasticGroup:
         if self._deaths is None:
             self._deaths = deaths_lib.DeathWatch()
         with self._watch("entering a step"):
-            entry = self._deaths.live_nodes(client.get_live_nodes, pids)
+            entry = self._deaths.live_nodes(client.get_live_nodes, pids, expect=self._admitting)
         self._deaths.saw(entry)
         self._admitting.clear()
         self._barrier_pids = sorted(entry)
@@ -227,6 +230,7 @@ class ElasticGroup:
             yield members
         except BaseException as e:  # noqa: BLE001 - re-raised below unless a member failed
             error = e
+            self._break_if_collective_failed(e)
         try:
             with self._watch("leaving a failed step" if error is not None else "leaving a step"):
                 exit_ = self._deaths.live_nodes(client.get_live_nodes, sorted(entry))
@@ -235,12 +239,22 @@ class ElasticGroup:
         self._barrier_pids = sorted(exit_)
         failed = {p for p, i in entry.items() if exit_.get(p) != i}
         if failed:
-            if members is not None:  # collectives may have run on these devices' communicators
-                self._tainted.add(tuple(d.id for d in members.devices))
+            if members is not None:
+                self._taint()
             raise StepFailed(failed, error) from error
         if error is not None:
             raise error
         self._agreed = dict(members.incarnations)
+
+    def _taint(self) -> None:
+        """A step failed after its body began: rebuild the CPU data plane before the next one."""
+        self._tainted = self.needs_data_plane_reset
+
+    def _break_if_collective_failed(self, error: BaseException) -> None:
+        """This process's collective failed: fail the others' now too (see :mod:`jaxft.breaker`)."""
+        if self.needs_data_plane_reset and jax.process_count() > 1 and breaker.is_collective_failure(error):
+            breaker.break_data_plane()
+            self._tainted = True
 
     # -- admission (admission="ready") -------------------------------------------------
     def _barrier_pids_next(self) -> list[int]:
@@ -352,8 +366,7 @@ class ElasticGroup:
         if previous != current:
             self.generation += 1
         gained = is_new(self._agreed, current)
-        key = tuple(sorted(d.id for d in devices))
-        reset = self.needs_data_plane_reset and (is_new(self._synced, current) or key in self._tainted)
+        reset = self.needs_data_plane_reset and (is_new(self._synced, current) or self._tainted)
         if reset:
             self._reset_data_plane(current)
             devices = [d for d in jax.devices() if d.process_index in current]
@@ -382,7 +395,7 @@ class ElasticGroup:
         for hook in self._pre_reset:
             hook()
         self._meshes.clear()
-        self._tainted.clear()
+        self._tainted = False
         jax_backend.clear_backends()
         jax.devices()  # rebuild now, inside the step
         for hook in self._post_reset:

@@ -224,6 +224,7 @@ def initialize(coordinator_address: str | None = None,
             f"could not connect process {process_id} to the coordination service at "
             f"{coordinator_address} within {timeouts.describe('initialization')}: {e}") from e
 
+    breaker.protect(coordinator_address)  # the data-plane breaker never touches the service's connections
     if external_coordinator:
         _clear_stale_topology(process_id)
     elif process_id == 0 and num_processes > 1:
