@@ -84,3 +84,25 @@ def test_chunked_layout_keeps_the_chunk_size_whatever_the_width():
         for j in range(8):
             d, i = divmod(j, lay.num_micro)
             assert list(lay.positions(d)[i * 12:(i + 1) * 12]) == list(range(12 * j, 12 * j + 12))
+
+
+def test_kill_and_narrower_run_end_bitwise_equal(tmp_path):
+    """Real processes: process 1 SIGKILLed at step 8 (its step retried on 2 processes, then it
+    rejoins), a fault-free run on 3 and one on 2 all end with the same params_sha256."""
+    from helpers import MLP, by_event, finals, train
+
+    worker = (MLP, "--steps", "24", "--step_sleep", "0.3", "--reduction", "exact", "--exact_chunks", "8")
+    proc, ev = train(tmp_path / "kill", *worker, faults=["kill:process=1:step=8"], restart="on-failure",
+                     extra=["--restart-delay", "3"])
+    assert proc.returncode == 0, proc.describe()
+    assert by_event(ev, "step_failed", process=0), "the kill must have failed a step"
+    assert any(len(e["members"]) == 2 for e in by_event(ev, "commit", process=0)), "no step ran on 2"
+    shas = {}
+    for name, n in (("kill", 3), ("clean3", 3), ("clean2", 2)):
+        if name != "kill":
+            proc, ev = train(tmp_path / name, *worker, n=n)
+            assert proc.returncode == 0, proc.describe()
+        f = finals(ev)
+        assert sorted(e["process"] for e in f) == list(range(n)) and {e["step"] for e in f} == {24}, f
+        shas[name] = {e["params_sha256"] for e in f}
+    assert len(set.union(*shas.values())) == 1, shas
