@@ -87,6 +87,22 @@ class Layout:
         m = per_device if not micro_batch else min(micro_batch, per_device)
         return cls(global_batch, num_devices, math.ceil(per_device / m), m)
 
+    @classmethod
+    def chunked(cls, global_batch: int, num_devices: int, chunk: int) -> "Layout":
+        """Micro-batches of exactly ``chunk`` examples whatever ``D`` (the exact reduction's
+        layout): chunk ``j`` of the batch is micro-batch ``j % k`` of device ``j // k``, with
+        ``k = ceil(ceil(G / chunk) / D)``; whole padding chunks follow the real ones."""
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        return cls(global_batch, num_devices, math.ceil(math.ceil(global_batch / chunk) / num_devices), chunk)
+
+    @classmethod
+    def of(cls, global_batch: int, num_devices: int, micro_batch: int | None = None,
+           chunk: int | None = None) -> "Layout":
+        """:meth:`chunked` if ``chunk`` is given, else :meth:`plan`."""
+        return cls.chunked(global_batch, num_devices, chunk) if chunk else cls.plan(global_batch, num_devices,
+                                                                                 micro_batch)
+
     def arrange(self, x: np.ndarray, pad_with_zeros: bool = False) -> np.ndarray:
         """``[G, ...] -> [M, D*m, ...]``.
 
@@ -111,15 +127,16 @@ class Layout:
         return np.arange(device_index * per, min((device_index + 1) * per, self.global_batch))
 
 
-def local_positions(mesh, global_batch: int, micro_batch: int | None = None) -> np.ndarray:
+def local_positions(mesh, global_batch: int, micro_batch: int | None = None,
+                    chunk: int | None = None) -> np.ndarray:
     """Positions in ``[0, G)`` of the examples this process's devices hold on ``mesh``."""
-    layout = Layout.plan(global_batch, mesh.devices.size, micro_batch)
+    layout = Layout.of(global_batch, mesh.devices.size, micro_batch, chunk)
     me = jax.process_index()
     parts = [layout.positions(i) for i, d in enumerate(mesh.devices.flat) if d.process_index == me]
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
-def step_batch(data, step: int, mesh, micro_batch: int | None = None) -> PyTree:
+def step_batch(data, step: int, mesh, micro_batch: int | None = None, chunk: int | None = None) -> PyTree:
     """Step ``step``'s global batch ``[G, ...]`` for placing on ``mesh``.
 
     A source with ``local_batch(step, positions)`` (e.g. :class:`jaxft.GrainBatches`) loads
@@ -129,7 +146,7 @@ def step_batch(data, step: int, mesh, micro_batch: int | None = None) -> PyTree:
     if not hasattr(data, "local_batch"):
         return data.batch(step)
     # Example 0 too: padding slots hold copies of it (never zeros), whichever device owns them.
-    positions = np.union1d(local_positions(mesh, data.global_batch, micro_batch), [0])
+    positions = np.union1d(local_positions(mesh, data.global_batch, micro_batch, chunk), [0])
     part = data.local_batch(step, positions)
 
     def spread(x):
@@ -142,15 +159,18 @@ def step_batch(data, step: int, mesh, micro_batch: int | None = None) -> PyTree:
 
 
 def shard_batch(batch: PyTree, mesh, axis_name: str = "data",
-                micro_batch: int | None = None, flat: bool = False) -> tuple[PyTree, jax.Array]:
+                micro_batch: int | None = None, flat: bool = False,
+                chunk: int | None = None) -> tuple[PyTree, jax.Array]:
     """Place a global batch ``[G, ...]`` on ``mesh`` as ``[M, D*m, ...]`` plus its mask
-    (``flat``: as ``[D*m, ...]``, one micro-batch).
+    (``flat``: as ``[D*m, ...]``, one micro-batch; ``chunk``: :meth:`Layout.chunked`).
 
     Every process passes the same global batch; each only materialises its own slices.
     """
     num_devices = mesh.devices.size
     leaves = jax.tree_util.tree_leaves(batch)
-    layout = Layout.plan(int(np.shape(leaves[0])[0]), num_devices, None if flat else micro_batch)
+    if flat and chunk:
+        raise ValueError("a chunked layout has several micro-batches: it cannot be flat")
+    layout = Layout.of(int(np.shape(leaves[0])[0]), num_devices, None if flat else micro_batch, chunk)
     sharding = NamedSharding(mesh, P(axis_name) if flat else P(None, axis_name))
 
     def place(arranged: np.ndarray) -> jax.Array:

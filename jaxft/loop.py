@@ -150,6 +150,9 @@ class ElasticLoop:
       micro_batch: with ``stacked``, examples per device per micro-batch.
       stacked: give the step ``batch [M, D*m, ...]`` and ``mask [M, D*m]`` (``M``
         micro-batches, for gradient accumulation inside the step) instead of ``[P, ...]``.
+      chunk: with ``stacked``, micro-batches of exactly ``chunk`` examples whatever the
+        number of devices (:meth:`jaxft.Layout.chunked`; overrides ``micro_batch``): what a
+        step whose bits must not depend on the width needs (``ElasticTrainer``'s exact reduction).
       check_every: every N steps, verify that all members hold bitwise-identical state.
       on_commit: ``(loop, record)`` after every commit.
       min_members: commit no step with fewer live processes than this; wait for more (up to
@@ -163,7 +166,7 @@ class ElasticLoop:
                  make_step: Callable[[Mesh], Callable] | None = None, micro_batch: int | None = None,
                  stacked: bool = False, check_every: int = 0, group: ElasticGroup | None = None,
                  on_commit: Callable[[Any, StepRecord], None] | None = None, step: int = 0,
-                 min_members: int = 1, max_attempts: int | None = 100):
+                 min_members: int = 1, max_attempts: int | None = 100, chunk: int | None = None):
         if (step_fn is None) == (make_step is None):
             raise ValueError("pass exactly one of step_fn and make_step")
         if min_members < 1:
@@ -179,6 +182,7 @@ class ElasticLoop:
         self.data = data
         self.micro_batch = micro_batch
         self.stacked = stacked
+        self.chunk = chunk if stacked else None
         self.check_every = check_every
         self.events = events or (runtime.events if runtime is not None else EventLog(None, jax.process_index()))
         self.faults = faults or (runtime.faults if runtime is not None else FaultInjector([], jax.process_index()))
@@ -238,8 +242,8 @@ class ElasticLoop:
 
     def _batch(self, step: int, m: Members) -> tuple[PyTree, jax.Array]:
         micro = self.micro_batch if self.stacked else None
-        return shard_batch(step_batch(self.data, step, m.mesh, micro), m.mesh, self.group.axis_name, micro,
-                           flat=not self.stacked)
+        return shard_batch(step_batch(self.data, step, m.mesh, micro, self.chunk), m.mesh, self.group.axis_name,
+                           micro, flat=not self.stacked, chunk=self.chunk)
 
     # -- the loop -----------------------------------------------------------------------
     def run(self, num_steps: int, before_attempt: Callable[[], None] | None = None) -> PyTree:

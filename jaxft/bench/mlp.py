@@ -18,6 +18,10 @@ flags.DEFINE_integer("steps", 30, "steps to train")
 flags.DEFINE_integer("global_batch", 96, "examples per step, whatever the number of processes")
 flags.DEFINE_integer("seed", 0, "seed of the parameter init and the data order")
 flags.DEFINE_integer("micro_batch", 0, "examples per device per micro-batch (0: no accumulation)")
+flags.DEFINE_enum("reduction", "allreduce", ["allreduce", "exact"],
+                  "allreduce: the gradient sum's rounding depends on the number of processes; exact: "
+                  "bitwise independent of it (see jaxft.ElasticTrainer)")
+flags.DEFINE_integer("exact_chunks", 8, "with --reduction exact: chunks per global batch (must divide it)")
 flags.DEFINE_integer("check_every", 10, "verify bitwise-identical params every N steps (0: never)")
 flags.DEFINE_integer("hidden", 64, "hidden width")
 flags.DEFINE_float("learning_rate", 1e-2, "Adam learning rate")
@@ -105,6 +109,8 @@ def main(argv):
 
     trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params, data, runtime=rt,
                                    micro_batch=FLAGS.micro_batch or None, check_every=FLAGS.check_every,
+                                   reduction=FLAGS.reduction,
+                                   exact_chunks=FLAGS.exact_chunks if FLAGS.reduction == "exact" else None,
                                    on_commit=on_commit, group=jaxft.ElasticGroup(admission=FLAGS.admission))
     if ckpt is not None:
         restored = ckpt.restore(trainer)  # cold restore: every process, independently
