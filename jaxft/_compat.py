@@ -202,3 +202,37 @@ def use_gloo_address(*, interface: str | None = None, hostname: str | None = Non
         return xla_bridge.make_cpu_client(collectives=collectives)
 
     xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
+
+
+# -- the persistent compilation cache across processes -------------------------------------------
+
+def share_cpu_cache_entries() -> None:
+    """Give a multi-process CPU executable the same persistent-cache key in every process.
+
+    jax keys a cache entry partly by the topology of the devices it runs on
+    (``jax._src.cache_key._hash_accelerator_config``); a CPU topology's fingerprint differs
+    from process to process (it describes the caller's own devices), and only process 0
+    writes entries. So processes other than 0, a restarted process included, never found
+    an entry and recompiled every mesh (~2 s per width change here). On CPU, hash the device
+    kinds instead (what jax does for backends without a topology): the program, the device
+    assignment (in the compile options) and the flags still key the entry, and an
+    executable compiled by process 0 loads in every process (jax's own
+    ``jax_share_binary_between_hosts`` relies on the same). Idempotent; other platforms are
+    untouched.
+    """
+    import numpy as np
+    from jax._src import cache_key
+
+    original = cache_key._hash_accelerator_config
+    if getattr(original, "_jaxft_cpu_shared", False):
+        return
+
+    def hash_accelerator_config(hash_obj, accelerators, *args, **kwargs):
+        devices = list(np.asarray(accelerators).flat)
+        if devices and all(getattr(d, "platform", None) == "cpu" for d in devices):
+            cache_key._hash_devices(hash_obj, np.asarray(accelerators))
+            return None
+        return original(hash_obj, accelerators, *args, **kwargs)
+
+    hash_accelerator_config._jaxft_cpu_shared = True  # type: ignore[attr-defined]
+    cache_key._hash_accelerator_config = hash_accelerator_config

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Sequence
 
-from jaxft import _compat, cluster, envvars, stopping
+from jaxft import _compat, breaker, cluster, envvars, stopping
 from jaxft import timeouts as timeouts_lib
 from jaxft.coordinator import wait_reachable
 from jaxft.errors import EXIT_CONFIG_ERROR, ConfigError, InitializeError, TimeoutsError
@@ -230,6 +230,7 @@ def initialize(coordinator_address: str | None = None,
     elif process_id == 0 and num_processes > 1:
         atexit.register(_outlive_peers, num_processes, timeouts)
     events = EventLog(run_dir, process_id, incarnation)
+    events.log("initialized", source=place.source)
     faults = FaultInjector.from_env(process_id, on_fire=_fault_logger(events), environ=environ)
     timeouts_lib.set_current(timeouts)
     _install_stop_handlers()
@@ -315,6 +316,7 @@ def _configure_compilation_cache(setting: str | bool | None, run_dir: str | None
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # small CPU steps too
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _compat.share_cpu_cache_entries()  # else only process 0 ever finds a multi-process entry
 
 
 def _wait_until_forgotten(died_at: str | None, heartbeat_timeout: float, process_id: int) -> None:

@@ -6,6 +6,8 @@
   copy (:mod:`jaxft.bench.rehydrate`).
 * ``jaxft bench chaos -n 4``: goodput under failures, jaxft vs restart-all
   (:mod:`jaxft.bench.chaos`, workload :mod:`jaxft.bench.mlp`).
+* ``jaxft bench kill -n 3 --phase in-step``: SIGKILL -> the survivors' next commit, and
+  what a rejoin costs them (:mod:`jaxft.bench.kill`).
 * ``jaxft bench checkpoint``: step-loop blocking of an async save vs a synchronous save
   (:mod:`jaxft.bench.checkpoint`).
 
@@ -42,11 +44,21 @@ def add_parser(sub) -> None:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--keep-dirs", default=None, help="keep the three run directories under this path")
     c.add_argument("--no-overhead", action="store_true", help="skip the per-step overhead measurement")
+    x = which.add_parser("kill", help="SIGKILL -> the survivors' next commit; a rejoin's cost to them")
+    x.add_argument("-n", type=int, default=3)
+    x.add_argument("--phase", default="in-step", help="fault phase: in-step (inside the all-reduce), "
+                   "before-step (between steps), after-grad, ...")
+    x.add_argument("--kills", type=int, default=5)
+    x.add_argument("--every", type=int, default=100, help="steps between kills")
+    x.add_argument("--step-sleep", type=float, default=0.1)
+    x.add_argument("--heartbeat", type=int, default=3)
+    x.add_argument("--admission", choices=("ready", "connect"), default="ready")
+    x.add_argument("--run-dir", default=None)
     k = which.add_parser("checkpoint", help="async save blocking time vs a synchronous save")
     k.add_argument("--mb", type=float, default=100, help="state size in MB")
     k.add_argument("--repeats", type=int, default=3)
     k.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    for q in (o, r, c, k):
+    for q in (o, r, c, x, k):
         q.add_argument("--json", default=None, help="also write the figures to this file")
 
 
@@ -75,6 +87,17 @@ def run(args) -> int:
             o = figures["overhead"]
             print(f"per-step overhead of jaxft over a plain JAX loop: {o['ratio']:.3f} "
                   f"({o['elastic_ms']:.2f} vs {o['plain_ms']:.2f} ms)")
+    elif args.bench == "kill":
+        from jaxft.bench.kill import bench_kill
+
+        figures = bench_kill(args.n, args.phase, args.kills, args.every, args.step_sleep, args.heartbeat,
+                             args.admission, args.run_dir)
+        print(f"kill ({figures['phase']}) -> survivors' next commit: median "
+              f"{figures['median_kill_to_next_commit_s']} s, each {figures['kill_to_next_commit_s']} "
+              f"({figures['processes']} processes, heartbeat {figures['heartbeat_s']} s, "
+              f"admission {figures['admission']})")
+        print(f"rejoin: initialize() -> first commit median {figures['median_init_to_first_commit_s']} s; "
+              f"survivors' largest gap between commits meanwhile median {figures['median_survivors_max_gap_s']} s")
     elif args.bench == "checkpoint":
         from jaxft.bench.checkpoint import bench_async_vs_sync, format_figures
 
