@@ -258,3 +258,24 @@ def test_gloo_interface_reregisters_the_cpu_backend(tmp_path):
     assert r.returncode == 0, moved("the CPU backend factory can no longer be re-registered") + "\n" + r.describe()
     rounds = by_event(events(tmp_path), "allreduce")
     assert {tuple(e["members"]) for e in rounds} == {(0, 1)} and len(rounds) >= 4, r.describe()
+
+
+def test_cpu_cache_entries_serve_every_process(tmp_path):
+    # jax keys a cache entry by the devices' topology, whose CPU fingerprint differs per
+    # process, and only process 0 writes: without jaxft._compat.share_cpu_cache_entries,
+    # process 1 never loads the step it compiled the run before (it recompiles every mesh).
+    _get("jax._src.cache_key:_hash_accelerator_config")
+    _get("jax._src.cache_key:_hash_devices")
+    cache = tmp_path / "cache"
+    worker = [sys.executable, str(REPO / "tests" / "workers" / "cache_share.py"), str(cache)]
+    runs = []
+    for name in ("first", "second"):
+        r = launch(2, worker, run_dir=tmp_path / name, timeout=120)
+        assert r.returncode == 0, r.describe()
+        runs.append({e["process"]: e for e in by_event(events(tmp_path / name), "cache")})
+    first, second = runs
+    assert sorted(second) == [0, 1], runs
+    assert first[0]["value"] == first[1]["value"] == second[0]["value"] == second[1]["value"], runs
+    assert first[1]["step_hits"] == 0, runs
+    assert second[0]["step_hits"] == 1 and second[1]["step_hits"] == 1, moved(
+        f"a CPU executable cached by process 0 is not loaded by process 1 ({runs})")

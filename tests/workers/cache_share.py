@@ -1,0 +1,32 @@
+"""Test worker: a multi-process CPU executable compiled (and cached) by process 0 in one run
+is loaded from the persistent cache by every process of the next run.
+
+Run twice by tests/test_private_api.py under ``jaxft launch -n 2`` with the same cache
+directory (argv[1]); each process logs a ``cache`` event with how many persistent-cache
+hits jax reported (``jax.monitoring``) and the result of the computation.
+"""
+
+import sys
+
+import jaxft
+
+rt = jaxft.initialize(compilation_cache=sys.argv[1])
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+hits = []
+jax.monitoring.register_event_listener(
+    lambda name, **kw: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
+
+devices = sorted(jax.devices(), key=lambda d: d.id)
+mesh = Mesh(devices, ("x",))
+local = [d for d in devices if d.process_index == jax.process_index()]
+rows = [jax.device_put(np.full((4,), d.id + 1.0, np.float32), d) for d in local]
+x = jax.make_array_from_single_device_arrays((4 * len(devices),), NamedSharding(mesh, P("x")), rows)
+step = jax.jit(lambda v: jnp.sum(jnp.tanh(v) * 3.0 + v), out_shardings=NamedSharding(mesh, P()))
+before = len(hits)
+out = float(np.asarray(step(x).addressable_data(0)))
+rt.events.log("cache", step_hits=len(hits) - before, value=out)
