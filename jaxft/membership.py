@@ -98,6 +98,7 @@ class ElasticGroup:
         # its caller must carry votes through each step, as ElasticTrainer does).
         self.admission = admission
         self._barrier_pids: list[int] | None = None  # process ids of the next step's barrier
+        self._committed: dict[int, int] | None = None  # the last committed step's exit query answer
         self._admitting: set[int] = set()
         self._watcher: admission_lib.ReadyWatcher | None = None
         self._published: tuple[int, ...] | None = None
@@ -201,21 +202,27 @@ class ElasticGroup:
     @contextlib.contextmanager
     def _ready_step(self) -> Iterator[Members]:
         """The step of ready admission: ``live_devices``' protocol on ``get_live_nodes``, with a
-        query at entry as well as at exit, and the exit query over the entry's live set.
+        query at entry only when needed, and the exit query over the entry's live set.
 
-        The entry query (over the members plus those admitted) leaves out a member the
-        service already knows dead before anyone starts a collective with it, and is where
-        admitted joiners meet the members. The exit query runs over the processes that
-        entered, so a restarted incarnation of a process that was left out is never pulled
-        into the members' barrier before it is ready (``live_devices`` would query its
-        argument again). Costs one more round trip per step than ``live_devices``.
+        In steady state a step costs one round trip, as with ``live_devices``: the exit query
+        of step k (the commit) is the entry set of step k+1. An entry query is made on the
+        first step, after a failed step, and when joiners were admitted (it is where they
+        meet the members; a process that dies between steps is then met in the next step's
+        collective, which fails at once everywhere, see :mod:`jaxft.breaker`). The exit
+        query runs over the processes that entered, so a restarted incarnation of a process
+        that was left out is never pulled into the members' barrier before it is ready
+        (``live_devices`` would query its argument again).
         """
         client = kv.client()
-        pids = self._barrier_pids_next()
         if self._deaths is None:
             self._deaths = deaths_lib.DeathWatch()
-        with self._watch("entering a step"):
-            entry = self._deaths.live_nodes(client.get_live_nodes, pids, expect=self._admitting)
+        if self._committed is not None and not self._admitting:
+            entry = self._committed  # the last commit's live set: no round trip
+        else:
+            pids = self._barrier_pids_next()
+            with self._watch("entering a step"):
+                entry = self._deaths.live_nodes(client.get_live_nodes, pids, expect=self._admitting)
+        self._committed = None  # until this step commits
         self._deaths.saw(entry)
         self._admitting.clear()
         self._barrier_pids = sorted(entry)
@@ -245,6 +252,7 @@ class ElasticGroup:
         if error is not None:
             raise error
         self._agreed = dict(members.incarnations)
+        self._committed = exit_
 
     def _taint(self) -> None:
         """A step failed after its body began: rebuild the CPU data plane before the next one."""

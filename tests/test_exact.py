@@ -86,6 +86,7 @@ def test_chunked_layout_keeps_the_chunk_size_whatever_the_width():
             assert list(lay.positions(d)[i * 12:(i + 1) * 12]) == list(range(12 * j, 12 * j + 12))
 
 
+@pytest.mark.soak  # the default suite covers it: test_elastic's kills end with the fault-free sha
 def test_kill_and_narrower_run_end_bitwise_equal(tmp_path):
     """Real processes: process 1 SIGKILLed at step 8 (its step retried on 2 processes, then it
     rejoins), a fault-free run on 3 and one on 2 all end with the same params_sha256."""

@@ -2,14 +2,15 @@
 
 import pytest
 
-from helpers import MLP, by_event as of, commits_by_step, finals, rel, train
+from helpers import MLP, by_event as of, commits_by_step, finals, train
 
 STEPS = 40
+EXACT = ("--reduction", "exact", "--exact_chunks", "8")  # results independent of the width, to the bit
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    proc, events = train(tmp_path_factory.mktemp("ref"), MLP, "--steps", str(STEPS), n=1)
+    proc, events = train(tmp_path_factory.mktemp("ref"), MLP, "--steps", str(STEPS), *EXACT, n=1)
     assert proc.returncode == 0, proc.describe()
     return finals(events)[0]
 
@@ -19,7 +20,7 @@ def check_run(events, reference, restarts, n=3, why=""):
     assert sorted(e["process"] for e in f) == list(range(n))
     assert len({e["params_sha256"] for e in f}) == 1, "members must end bitwise identical"
     assert all(e["step"] == STEPS for e in f)
-    assert rel(f[0]["params_norm"], reference["params_norm"]) < 1e-5
+    assert f[0]["params_sha256"] == reference["params_sha256"], "the fault-free run's params, to the bit"
     by_step = commits_by_step(events)
     assert sorted(by_step) == list(range(STEPS))
     for step, commits in by_step.items():
@@ -39,7 +40,7 @@ def check_run(events, reference, restarts, n=3, why=""):
 @pytest.mark.smoke
 def test_three_restarts_including_process_0(reference, tmp_path):
     faults = ["kill:process=0:step=5", "kill:process=1:step=12", "kill:process=0:step=20"]
-    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), faults=faults, restart="on-failure")
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), *EXACT, faults=faults, restart="on-failure")
     assert proc.returncode == 0, proc.describe()
     check_run(events, reference, restarts=3)
     assert {(r["process"], r["incarnation"]) for r in of(events, "rehydrated")} == {(0, 1), (1, 1), (0, 2)}
@@ -60,10 +61,11 @@ def test_two_join_at_once_and_one_dies_as_they_join(reference, tmp_path):
     faults = ["kill:process=1:step=5", "kill:process=2:step=5",  # two joiners at once
               "kill:process=3:step=6:phase=before-step",  # dies in the step right after they join
               "kill:process=0:step=12:phase=after-commit"]
-    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), n=4, faults=faults, restart="on-failure")
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), *EXACT, n=4, faults=faults, restart="on-failure")
     assert proc.returncode == 0, proc.describe()
     check_run(events, reference, restarts=4, n=4, why=proc.describe())
-    assert {r["process"] for r in of(events, "rehydrated", step=5)} == {1, 2}
+    # both joiners were rehydrated (at step 5 when they connect together; a slow restart joins later)
+    assert {1, 2} <= {r["process"] for r in of(events, "rehydrated", incarnation=1)}, proc.describe()
 
 
 def test_slow_restart_rejoins_behind(reference, tmp_path):
@@ -72,7 +74,7 @@ def test_slow_restart_rejoins_behind(reference, tmp_path):
     # ~3-5 s and then commit a step per ~0.6 s), and the 34 remaining steps take >= 20 s,
     # so process 2 comes back behind the survivors and before they finish.
     faults = ["kill:process=2:step=6:phase=before-step"]
-    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), "--step_sleep", "0.6", faults=faults,
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), *EXACT, "--step_sleep", "0.6", faults=faults,
                           restart="on-failure", extra=["--restart-delay", "12"])
     assert proc.returncode == 0, proc.describe()
     check_run(events, reference, restarts=1)
@@ -84,7 +86,7 @@ def test_slow_restart_rejoins_behind(reference, tmp_path):
 @pytest.mark.soak
 def test_ten_kill_restart_cycles(reference, tmp_path):
     faults = [f"kill:process=2:step={s}" for s in range(3, 33, 3)]
-    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), faults=faults, restart="on-failure",
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), *EXACT, faults=faults, restart="on-failure",
                           extra=["--max-restarts", "20"], timeout=600)
     assert proc.returncode == 0, proc.describe()
     check_run(events, reference, restarts=10)
