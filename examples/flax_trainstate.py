@@ -12,6 +12,8 @@ of a restarted process (the whole ``TrainState``, step counter included) and the
 The data are scikit-learn's handwritten digits (shipped with the package, nothing downloaded).
 """
 
+import os
+
 from absl import app, flags, logging
 
 import jaxft
@@ -19,6 +21,7 @@ import jaxft
 flags.DEFINE_integer("steps", 20, "steps to train")
 flags.DEFINE_integer("global_batch", 96, "examples per step, whatever the number of processes")
 flags.DEFINE_float("step_sleep", 0.0, "seconds to sleep after each commit (to stretch demos and tests)")
+flags.DEFINE_string("final_params", None, "write each process's final params to DIR/final-p<P>.npz")
 flags.DEFINE_integer("seed", 0, "seed of the init and the data order")
 flags.DEFINE_float("peak_lr", 1e-2, "peak learning rate of the warm-up + cosine schedule")
 FLAGS = flags.FLAGS
@@ -79,6 +82,9 @@ def main(_):
     data = jaxft.GlobalBatches(data_arrays, G, seed=FLAGS.seed)
     loop = jaxft.ElasticLoop(train_step, state, data, runtime=rt, on_commit=on_commit, check_every=10)
     state = loop.run(FLAGS.steps)  # logs `final` with the sha256 of state.params
+    if FLAGS.final_params:
+        os.makedirs(FLAGS.final_params, exist_ok=True)
+        jaxft.save_tree(os.path.join(FLAGS.final_params, f"final-p{rt.process_id}.npz"), state.params)
     print(f"done: step {loop.step} (TrainState.step {int(state.step)}) loss {loop.last_loss:.4f}", flush=True)
 
 

@@ -12,6 +12,8 @@ and each process reads only the examples its devices hold in that step, prefetch
 Needs ``pip install -e '.[grain]'``.
 """
 
+import os
+
 from absl import app, flags, logging
 
 import jaxft
@@ -20,6 +22,7 @@ flags.DEFINE_integer("steps", 20, "steps to train")
 flags.DEFINE_integer("global_batch", 96, "examples per step, whatever the number of processes")
 flags.DEFINE_integer("num_examples", 2048, "size of the source")
 flags.DEFINE_float("step_sleep", 0.0, "seconds to sleep after each commit (to stretch demos and tests)")
+flags.DEFINE_string("final_params", None, "write each process's final params to DIR/final-p<P>.npz")
 flags.DEFINE_integer("seed", 0, "seed of the init and of Grain's shuffle")
 FLAGS = flags.FLAGS
 
@@ -76,6 +79,9 @@ def main(_):
     trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(1e-2), params, data, runtime=rt, check_every=10,
                                    on_commit=on_commit)
     state = trainer.run(FLAGS.steps)
+    if FLAGS.final_params:
+        os.makedirs(FLAGS.final_params, exist_ok=True)
+        jaxft.save_tree(os.path.join(FLAGS.final_params, f"final-p{rt.process_id}.npz"), state.params)
     print(f"done: step {state.step} loss {trainer.last_loss:.5f}", flush=True)
 
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers and IDEs
     from jaxft.grain_source import GrainBatches
     from jaxft.loop import ElasticLoop, StepRecord
     from jaxft.trainer import ElasticTrainer, TrainState, make_train_step
-    from jaxft.transfer import broadcast_tree, check_consistent, tree_norm, tree_sha256
+    from jaxft.transfer import broadcast_tree, check_consistent, save_tree, tree_norm, tree_sha256
 
 __version__ = "0.1.0"
 
@@ -42,7 +42,7 @@ _LAZY = {
     "jaxft.trainer": ("ElasticTrainer", "TrainState", "make_train_step"),
     "jaxft.loop": ("ElasticLoop", "StepRecord"),
     "jaxft.grain_source": ("GrainBatches",),
-    "jaxft.transfer": ("broadcast_tree", "check_consistent", "tree_norm", "tree_sha256"),
+    "jaxft.transfer": ("broadcast_tree", "check_consistent", "save_tree", "tree_norm", "tree_sha256"),
     "jaxft.checkpoint": ("CheckpointStore", "ElasticCheckpointer", "Restored"),
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}

@@ -61,6 +61,13 @@ def tree_sha256(tree: PyTree) -> str:
     return h.hexdigest()
 
 
+def save_tree(path: str, tree: PyTree) -> None:
+    """Write ``tree``'s leaves to ``path`` (``.npz``), one array per leaf named by its key
+    path (``jax.tree_util.keystr``), for leaf-by-leaf comparisons between runs."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    np.savez(path, **{jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves})
+
+
 def tree_norm(tree: PyTree) -> float:
     """float64 L2 norm over all leaves."""
     return float(np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree_util.tree_leaves(tree))))

@@ -53,7 +53,7 @@ python312=$(find_python312) || python312=""
 status=0
 if setup_venv "$python311" .venv; then
     log "full suite on $(.venv/bin/python --version 2>&1)"
-    .venv/bin/python -m pytest "$@" || status=1
+    .venv/bin/python -m pytest --durations=25 "$@" || status=1
 else
     log "FAILED to set up .venv"
     status=1
