@@ -227,8 +227,10 @@ def initialize(coordinator_address: str | None = None,
     breaker.protect(coordinator_address)  # the data-plane breaker never touches the service's connections
     if external_coordinator:
         _clear_stale_topology(process_id)
-    elif process_id == 0 and num_processes > 1:
+    elif num_processes > 1 and process_id == 0:  # it hosts the service: it must leave last
         atexit.register(_outlive_peers, num_processes, timeouts)
+    elif num_processes > 1:
+        atexit.register(_announce_leaving, process_id)
     events = EventLog(run_dir, process_id, incarnation)
     events.log("initialized", source=place.source)
     faults = FaultInjector.from_env(process_id, on_fire=_fault_logger(events), environ=environ)
@@ -270,25 +272,39 @@ def _on_sigterm(signum, _frame) -> None:
     raise SystemExit(128 + signum)
 
 
+LEAVING_PREFIX = "jaxft/leaving/"
+
+
+def _announce_leaving(process_id: int) -> None:
+    """At exit of a peer of a process 0 that hosts the service (atexit runs this before jax's
+    own shutdown, registered earlier): tell process 0 this process is about to disconnect."""
+    client = _compat.distributed_client_or_none()
+    if client is not None:
+        try:
+            client.key_value_set(f"{LEAVING_PREFIX}{process_id}", "1", allow_overwrite=True)
+        except Exception:  # noqa: BLE001 - the service is already gone: nothing to wait for
+            pass
+
+
 def _outlive_peers(num_processes: int, timeouts: Timeouts) -> None:
     """At exit of a process 0 that hosts the service: wait (bounded by ``Timeouts.shutdown``)
-    until the other processes have disconnected, so their own shutdown still finds the
-    service (a recoverable service has no shutdown barrier of its own)."""
+    until every other process announced it is leaving, then a second more for their
+    ``ShutdownTask`` calls to be answered: a peer whose service is gone aborts (SIGABRT) in
+    its own shutdown, and a recoverable service has no shutdown barrier of its own."""
     client = _compat.distributed_client_or_none()
     if client is None:
         return
     deadline = time.monotonic() + timeouts.shutdown
-    others = list(range(1, num_processes))
+    others = {str(p) for p in range(1, num_processes)}
 
-    def wait() -> None:  # get_live_nodes itself may block on peers: bound it from outside
+    def wait() -> None:
         while time.monotonic() < deadline:
             try:
-                if not client.get_live_nodes(others):
-                    # a peer leaves the live set when its shutdown starts, before its ShutdownTask
-                    # call is answered: give those answers time to reach it (seen aborting a peer)
-                    time.sleep(max(0.0, min(0.5, deadline - time.monotonic())))
-                    return
+                left = {k.rstrip("/").rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(LEAVING_PREFIX)}
             except Exception:  # noqa: BLE001 - the service or this client is already gone
+                return
+            if others <= left:
+                time.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
                 return
             time.sleep(0.05)
 

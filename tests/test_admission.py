@@ -89,6 +89,7 @@ def test_kill_inside_the_all_reduce_of_four_then_rejoin(reference, tmp_path):
     assert_bitwise(load(out / "final-p1.npz"), reference)  # 4 processes, then 3, then 4: the 3-process bits
 
 
+@pytest.mark.soak  # long: the default suite stays under its time budget
 def test_a_late_joiner_of_a_finished_run_exits_0(tmp_path):
     # Process 2 dies at the last step; its restart finds the run finished and leaves quietly.
     proc, events = train(tmp_path, MLP, "--steps", "12", "--admission", "ready",

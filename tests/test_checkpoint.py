@@ -174,7 +174,7 @@ def test_kill_all_restarts_cold_from_the_latest_complete_checkpoint(tmp_path, re
 
 # -- (b) a process dies while a save is in flight ----------------------------------------------
 
-@pytest.mark.parametrize("victim", [1, 0], ids=["non-primary", "primary"])
+@pytest.mark.parametrize("victim", [pytest.param(1, marks=pytest.mark.soak), 0], ids=["non-primary", "primary"])
 def test_kill_during_save_never_leaves_a_partial_checkpoint(tmp_path, reference, victim):
     run_dir = tmp_path / "run"
     ckpt_dir = tmp_path / "ckpt"

@@ -3,6 +3,8 @@ answers again at the same address, every worker is restarted and cold-restores t
 complete checkpoint; if none comes back within Timeouts.initialization, the agent says so
 and exits non-zero. Nothing hangs. Real processes, real SIGKILL."""
 
+import pytest
+
 import json
 import os
 import subprocess
@@ -27,6 +29,7 @@ def _stop(p: subprocess.Popen) -> None:
     p.wait()
 
 
+@pytest.mark.soak  # long: the default suite stays under its time budget
 def test_run_comes_back_with_a_new_coordinator(tmp_path):
     ref = launch(2, WORKER, run_dir=tmp_path / "ref", timeout=180)
     assert ref.returncode == 0, ref.describe()

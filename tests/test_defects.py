@@ -6,6 +6,7 @@ Real processes; single-process cases run in a fresh interpreter.
 import json
 
 import numpy as np
+import pytest
 
 from helpers import MLP, PYTHON, by_event, events, launch, run_python, summary
 
@@ -94,6 +95,7 @@ def test_a_second_run_in_the_same_job_is_not_cut_short(tmp_path):
     assert sorted((f["process"], f["step"]) for f in finals) == [(0, 4), (0, 8), (1, 4), (1, 8)], finals
 
 
+@pytest.mark.soak  # long: the default suite stays under its time budget
 def test_min_members_waits_instead_of_training_alone(tmp_path):
     r = launch(2, [PYTHON, "tests/workers/two_runs.py", "--min_members", "2", "--steps", "12"],
                "--restart", "on-failure", "--restart-delay", "10", "--fault", "kill:process=1:step=4",

@@ -32,7 +32,8 @@ def test_fault_free_members_agree(reference, tmp_path):
     assert finals(events)[0]["params_sha256"] == reference["params_sha256"]
 
 
-@pytest.mark.parametrize("phase", ["after-grad", "before-step", "after-commit"])
+@pytest.mark.parametrize("phase", ["after-grad", pytest.param("before-step", marks=pytest.mark.soak),
+                                   pytest.param("after-commit", marks=pytest.mark.soak)])
 def test_survivor_finishes_with_same_result(reference, tmp_path, phase):
     faults = [f"kill:process=0:step=8:phase={phase}", f"kill:process=2:step=15:phase={phase}"]
     proc, events = train(tmp_path, MLP, "--steps", str(STEPS), *EXACT, faults=faults)

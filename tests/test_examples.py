@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from helpers import PYTHON, REPO, by_event, finals, run, run_jaxft, train
 
@@ -35,6 +36,7 @@ def test_guide_recover_and_report(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
+@pytest.mark.soak  # long: the default suite stays under its time budget
 def test_flax_digits_with_a_kill(tmp_path):
     proc, ev = train(tmp_path, str(EXAMPLES / "flax_digits.py"), "--steps", "12", "--global_batch", "64",
                      n=2, faults=["kill:process=1:step=5"], restart="on-failure")
@@ -73,9 +75,11 @@ def _kill_vs_fault_free(tmp_path, example: str, steps: str = "30"):
             np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.soak  # long: the default suite stays under its time budget
 def test_flax_trainstate_own_step_survives_a_kill(tmp_path):
     _kill_vs_fault_free(tmp_path, "flax_trainstate.py")
 
 
+@pytest.mark.soak  # long: the default suite stays under its time budget
 def test_grain_source_survives_a_kill(tmp_path):
     _kill_vs_fault_free(tmp_path, "grain_mlp.py")

@@ -13,7 +13,7 @@ from helpers import MLP, PYTHON, by_event, commits_by_step, events, finals, laun
 FIGURES = Path(os.environ.get("JAXFT_TEST_FIGURES_HANG", "/tmp/jaxft-hang-figures.json"))
 
 
-@pytest.mark.parametrize("phase", ["before-step", "after-grad"])
+@pytest.mark.parametrize("phase", [pytest.param("before-step", marks=pytest.mark.soak), "after-grad"])
 def test_hung_worker_is_stopped_and_the_others_go_on(tmp_path, phase):
     # --restart-delay: the stuck process comes back only after the others went on without it.
     r = launch(4, [PYTHON, MLP, "--steps", "40", "--step_sleep", "0.3", "--hidden", "16"],

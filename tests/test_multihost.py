@@ -213,6 +213,7 @@ def test_fault_free_across_hosts(reference):
             assert np.array_equal(value, reference[0][name]), (p, name)
 
 
+@pytest.mark.soak  # long: the default suite stays under its time budget
 def test_host_killed_whole_and_restarted(reference, tmp_path):
     """(b) Host 1 (agent and both workers) SIGKILLed at step >= 15; a new agent 5 s later."""
     with job(tmp_path) as j:
@@ -236,6 +237,7 @@ def test_host_killed_whole_and_restarted(reference, tmp_path):
     _record("host_killed", figures)
 
 
+@pytest.mark.soak  # long: the default suite stays under its time budget
 def test_host_partitioned_then_healed(reference, tmp_path):
     """(c) Host 2 cut off for 5x the heartbeat timeout, then healed."""
     with job(tmp_path) as j:

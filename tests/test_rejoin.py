@@ -68,6 +68,7 @@ def test_two_join_at_once_and_one_dies_as_they_join(reference, tmp_path):
     assert {1, 2} <= {r["process"] for r in of(events, "rehydrated", incarnation=1)}, proc.describe()
 
 
+@pytest.mark.soak  # long: the default suite stays under its time budget
 def test_slow_restart_rejoins_behind(reference, tmp_path):
     # The survivors train on without process 2 for a while; it must catch up from a donor.
     # Margins, not luck: the restart waits 12 s (the survivors notice the death within

@@ -49,6 +49,7 @@ def test_killed_process_0_is_restarted_and_the_others_keep_going(run_dir):
         assert e["value"] == sum(m + 1 for m in e["members"]), e
 
 
+@pytest.mark.soak  # long: the default suite stays under its time budget
 def test_killed_process_1_without_restart_leaves_0_and_2_working(run_dir):
     worker = [PYTHON, str(ALLREDUCE_WORKER), "--seconds", KILL_1_SECONDS]
     r = launch(3, worker, "--restart", "never", "--fault", f"kill:process=1:after={KILL_1_AFTER}",
