@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
     o.add_argument("--steps", type=int, default=100)
     o.add_argument("--hidden", type=int, default=512)
     o.add_argument("--global-batch", type=int, default=512)
-    o.add_argument("--admission", choices=("ready", "connect"), default="ready",
+    o.add_argument("--admission", choices=("connect", "ready"), default="connect",
                    help="the elastic step's admission mode (jaxft.ElasticGroup)")
     r = which.add_parser("rehydrate", help="state transfer to a joiner vs a TCP loopback copy")
     r.add_argument("-n", type=int, default=2)

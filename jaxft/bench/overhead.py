@@ -11,7 +11,7 @@ import time
 from jaxft.bench._jobs import launch, result
 
 
-def worker(steps: int, hidden: int, batch: int, admission: str = "ready") -> None:
+def worker(steps: int, hidden: int, batch: int, admission: str = "connect") -> None:
     import jaxft
 
     rt = jaxft.initialize()
@@ -69,7 +69,7 @@ def worker(steps: int, hidden: int, batch: int, admission: str = "ready") -> Non
 
 
 def bench_overhead(n: int = 2, steps: int = 100, hidden: int = 512, batch: int = 512,
-                   admission: str = "ready") -> dict:
+                   admission: str = "connect") -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         launch(n, __name__, [str(steps), str(hidden), str(batch), admission], run_dir)
         r = result(run_dir, "bench_overhead")
