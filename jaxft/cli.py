@@ -151,9 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "coordinator":
             coord = Coordinator(args.num_processes, port=args.port, bind=args.bind,
                                 heartbeat_timeout=args.heartbeat_timeout)
-            print(f"jaxft coordinator listening on {coord.address} for {args.num_processes} processes",
-                  flush=True)
-            serve_forever(coord)
+            serve_forever(coord, f"jaxft coordinator listening on {coord.address} "
+                                 f"for {args.num_processes} processes")
             return 0
     except Error as e:
         print(f"jaxft {args.cmd}: error: {e}", file=sys.stderr)

@@ -114,11 +114,14 @@ class Coordinator:
         self.shutdown()
 
 
-def serve_forever(coordinator: Coordinator) -> None:
-    """Block until SIGINT or SIGTERM, then shut the service down."""
+def serve_forever(coordinator: Coordinator, announce: str | None = None) -> None:
+    """Block until SIGINT or SIGTERM, then shut the service down. ``announce`` is printed
+    once the signal handlers are in place (a SIGTERM right after it still stops cleanly)."""
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
+    if announce is not None:
+        print(announce, flush=True)
     try:
         while not done.wait(0.5):
             pass

@@ -98,6 +98,7 @@ def test_bad_agent_options_are_one_line_errors(args, message):
     assert message in r.stderr and r.stderr.count("\n") == 1, r.describe()
 
 
+@pytest.mark.soak  # long: the default suite stays under its time budget
 def test_two_agents_train_together(tmp_path):
     """Node 0 hosts the service (--host-coordinator), node 1 dials it; 2 workers each, one run."""
     port = free_port()

@@ -108,6 +108,7 @@ def test_min_members_waits_instead_of_training_alone(tmp_path):
     assert len({f["params_sha256"] for f in finals}) == 1 and {f["step"] for f in finals} == {12}
 
 
+@pytest.mark.soak  # long: the default suite stays under its time budget
 def test_a_process_back_after_the_run_finished_does_not_train_alone(tmp_path):
     """Before, a worker restarted after its peers had finished found itself the only member
     and trained the whole run again on its own, from step 0."""

@@ -51,6 +51,7 @@ def test_survivor_finishes_with_same_result(reference, tmp_path, phase):
     assert final["params_sha256"] == reference["params_sha256"], "3, 2 then 1 devices: the same bits"
 
 
+@pytest.mark.soak  # long: the default suite stays under its time budget
 def test_micro_batches_match_full_batch(reference, tmp_path):
     # accumulation sums in another order: equal up to float32 rounding, leaf by leaf
     proc, events = train(tmp_path, MLP, "--steps", str(STEPS), "--micro_batch", "8", "--final_params",

@@ -131,6 +131,7 @@ def test_report_skips_lines_that_are_not_events(tmp_path):
     assert '"steps_committed": 1' in r.stdout, r.describe()
 
 
+@pytest.mark.soak  # long: the default suite stays under its time budget
 def test_checkpoint_on_stop_saves_a_last_checkpoint_and_resumes_there(tmp_path, marker):
     run = tmp_path / "run"
     worker = [PYTHON, str(MLP), "--steps", "400", "--step_sleep", "0.1", "--checkpoint_every", "1000",

@@ -13,7 +13,6 @@ WORKER = [PYTHON, str(ALLREDUCE_WORKER), "--seconds", "12"]  # the issue's accep
 KILL_1_AFTER, KILL_1_SECONDS = "8s", "14"
 
 
-@pytest.mark.smoke
 def test_killed_process_0_is_restarted_and_the_others_keep_going(run_dir):
     r = launch(3, WORKER, "--restart", "on-failure", "--fault", "kill:process=0:after=6s",
                run_dir=run_dir, timeout=120)
