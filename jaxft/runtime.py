@@ -229,7 +229,7 @@ def initialize(coordinator_address: str | None = None,
         _clear_stale_topology(process_id)
     elif num_processes > 1 and process_id == 0:  # it hosts the service: it must leave last
         atexit.register(_outlive_peers, num_processes, timeouts)
-    elif num_processes > 1:
+    elif num_processes > 1 and _compat.service_rejects_outside_queries():
         atexit.register(_announce_leaving, process_id)
     events = EventLog(run_dir, process_id, incarnation)
     events.log("initialized", source=place.source)
@@ -298,6 +298,18 @@ def _outlive_peers(num_processes: int, timeouts: Timeouts) -> None:
     others = {str(p) for p in range(1, num_processes)}
 
     def wait() -> None:
+        # jax >= 0.12: a liveness query over the others waits until they have disconnected
+        try:
+            while time.monotonic() < deadline:
+                if not client.get_live_nodes(sorted(int(p) for p in others)):
+                    time.sleep(max(0.0, min(0.5, deadline - time.monotonic())))
+                    return
+                time.sleep(0.05)
+            return
+        except Exception as e:  # noqa: BLE001
+            if "not one of the tasks" not in str(e):
+                return  # the service or this client is already gone
+        # jax 0.10: the service rejects a query without the caller: wait for announcements
         while time.monotonic() < deadline:
             try:
                 left = {k.rstrip("/").rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(LEAVING_PREFIX)}
