@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -48,6 +48,29 @@ def publish_members(process_ids: Sequence[int]) -> None:
     """Record the current members and the writer's heartbeat nonce (when the members change)."""
     value = json.dumps({"pids": sorted(process_ids), "time": time.time(), "beat": kv.Heartbeat.get().nonce})
     kv.client().key_value_set(f"{MEMBERS_KEY}/{min(process_ids)}", value, allow_overwrite=True)
+
+
+def started_without(process_id: int, every_s: float = 0.25) -> Callable[[], bool]:
+    """A check (rate-limited to ``every_s``) that a members record was written or changed
+    since this call and does not list ``process_id``: the run started without it."""
+    c = kv.client()
+
+    def records() -> dict[str, str]:
+        try:
+            return dict(c.key_value_dir_get(f"{MEMBERS_KEY}/"))
+        except Exception:  # noqa: BLE001 - NOT_FOUND on some versions
+            return {}
+
+    before = records()
+    last = [time.monotonic()]
+
+    def check() -> bool:
+        if time.monotonic() - last[0] < every_s:
+            return False
+        last[0] = time.monotonic()
+        return any(before.get(k) != v and process_id not in json.loads(v)["pids"] for k, v in records().items())
+
+    return check
 
 
 class ReadyWatcher:

@@ -25,6 +25,11 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 from jaxft import envvars
 
 SUBDIR = "deaths"
+_ASKED = "asked"  # key of the set last asked in an answer of DeathWatch._ask_once
+
+
+class GaveUp(Exception):
+    """A liveness query was abandoned because its caller's ``give_up()`` said so."""
 
 
 def record(state_dir: str, process_id: int, incarnation: int) -> None:
@@ -93,10 +98,18 @@ class DeathWatch:
         return {p for p in pids if p in rec and p in self.since and rec[p] > self.since[p][1]}
 
     def live_nodes(self, query: Callable[[list[int]], Mapping[Any, Any]], pids: Sequence[int],
-                   expect: Collection[int] = ()) -> dict[int, int]:
+                   expect: Collection[int] = (), give_up: Callable[[], bool] | None = None) -> dict[int, int]:
         """``query(pids)`` (a ``get_live_nodes`` barrier), re-asked without any process the
-        launcher records dead while waiting. Every member that waits for that process sees
-        the same record, so all of them move to the same smaller query.
+        launcher records dead while waiting, until an answer names every process asked.
+
+        The service matches liveness queries by their process set alone, so every member
+        must make the same sequence of queries. A member that re-asks without a dead process
+        registers a query over the smaller set; a member whose first query was answered by
+        the service (it noticed the death by heartbeat) before it re-asked would go on, and
+        its *next* query over that set (the next step's) would complete the re-asker's, one
+        query out of step (both then wait for each other for ever: seen when a process died
+        during the first step). So an answer smaller than its query is always confirmed by
+        one more query over the answer: re-askers and confirmers meet in the same query.
 
         An abandoned query stays open in the service, this process counted in, until every
         live process of its set has asked: if the dead process's next life joins a later
@@ -105,19 +118,36 @@ class DeathWatch:
         for ever. So a query over a set with an abandoned one waits on that one instead
         (the service counts this process in already), and takes its answer if the answer
         came with the joiners in it.
+
+        ``give_up()`` (checked while waiting) abandons the query and raises :class:`GaveUp`.
         """
         pids = sorted(pids)
-        if not self.state_dir:
-            return {int(p): int(i) for p, i in query(pids).items()}
+        while True:
+            answer = self._ask_once(query, pids, expect, give_up)
+            asked = sorted(answer.pop(_ASKED))
+            if sorted(answer) == asked:
+                return answer
+            pids = sorted(answer)  # confirm the smaller set (see above)
+
+    def _ask_once(self, query, pids: list[int], expect: Collection[int],
+                  give_up: Callable[[], bool] | None) -> dict:
+        """One answer, re-asking without dead processes; the answer carries the set last asked."""
+        if not self.state_dir and give_up is None:
+            return {**{int(p): int(i) for p, i in query(pids).items()}, _ASKED: pids}
         while True:
             future = self._reuse(tuple(pids), expect) or _ask(query, pids)
+            gone: set[int] = set()
             while True:
                 try:
-                    return {int(p): int(i) for p, i in future.result(timeout=self.poll_s * 4).items()}
+                    answer = future.result(timeout=self.poll_s * 4)
+                    return {**{int(p): int(i) for p, i in answer.items()}, _ASKED: pids}
                 except concurrent.futures.TimeoutError:
                     gone = self.dead(pids)
                     if gone:
                         break
+                    if give_up is not None and give_up():
+                        self._abandoned[tuple(pids)] = future
+                        raise GaveUp(pids)
             self._abandoned[tuple(pids)] = future
             pids = [p for p in pids if p not in gone]
 

@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 
 from jaxft import _compat, admission as admission_lib, breaker, deaths as deaths_lib, kv
 from jaxft import timeouts as timeouts_lib
-from jaxft.errors import StepFailed
+from jaxft.errors import BarrierTimeout, StepFailed
 from jaxft.hang import WAIT_NOTICE_S, HangMonitor
 from jaxft.rejoin import is_new
 from jaxft.timeouts import Timeouts
@@ -219,9 +219,11 @@ class ElasticGroup:
         if self._committed is not None and not self._admitting:
             entry = self._committed  # the last commit's live set: no round trip
         else:
-            pids = self._barrier_pids_next()
-            with self._watch("entering a step"):
-                entry = self._deaths.live_nodes(client.get_live_nodes, pids, expect=self._admitting)
+            entry = self._entry_query(client)
+        if self.process_id == min(entry) and self._published != tuple(sorted(entry)):
+            # every member got the same entry answer: the lowest one tells joiners who runs
+            self._published = tuple(sorted(entry))
+            admission_lib.publish_members(self._published)
         self._committed = None  # until this step commits
         self._deaths.saw(entry)
         self._admitting.clear()
@@ -265,22 +267,34 @@ class ElasticGroup:
             self._tainted = True
 
     # -- admission (admission="ready") -------------------------------------------------
-    def _barrier_pids_next(self) -> list[int]:
-        """The process ids of the next step's entry query: the members (the last query's live
-        set) plus those admitted at the last commit; on the first step, see :meth:`_join`."""
-        if self._barrier_pids is None:
-            pids, alive_at = self._join()
-            if self._deaths is None:
-                self._deaths = deaths_lib.DeathWatch()
-            # lives that died before alive_at - 1 s are earlier lives (a restart connects only
-            # heartbeat + 1.5 s after a death): a record counts only against a later one
-            self._deaths.assume_alive_since(pids, alive_at - 1.0)
-            return pids
-        return sorted(set(self._barrier_pids) | self._admitting)
+    def _entry_query(self, client) -> dict[int, int]:
+        """The step's entry liveness query over the members plus those admitted at the last
+        commit; on this process's first step over what :meth:`_join` says."""
+        while True:
+            give_up = None
+            if self._barrier_pids is None:
+                pids, alive_at, cold = self._join()
+                # lives that died before alive_at - 1 s are earlier lives (a restart connects only
+                # heartbeat + 1.5 s after a death): a record counts only against a later one
+                self._deaths.assume_alive_since(pids, alive_at - 1.0)
+                if cold:
+                    # a cold start, as far as this process could tell: if the others started
+                    # without it meanwhile (it came up late, or is the restart of one that
+                    # died in their first step), this query would never be answered
+                    give_up = admission_lib.started_without(self.process_id)
+            else:
+                pids = sorted(set(self._barrier_pids) | self._admitting)
+            try:
+                with self._watch("entering a step"):
+                    return self._deaths.live_nodes(client.get_live_nodes, pids, expect=self._admitting,
+                                                   give_up=give_up)
+            except deaths_lib.GaveUp:
+                logger.info("process %d: the others started without it; joining them", self.process_id)
 
-    def _join(self) -> tuple[list[int], float]:
-        """This process's first step: the barrier's process ids (waits to be admitted when
-        a run is going on; every process on a cold start)."""
+    def _join(self) -> tuple[list[int], float, bool]:
+        """This process's first step: the barrier's process ids, when they were all alive, and
+        whether this is a cold start (every process forms the first member set); when a run
+        is going on, it waits to be admitted."""
         everyone = sorted({d.process_index for d in jax.devices()})
         if self.run_finished():
             _hard_exit(0, f"jaxft: the run finished before process {self.process_id} could join; exiting 0")
@@ -289,20 +303,21 @@ class ElasticGroup:
         while True:
             running = joiner.running_members(settle_s=max(1.5, 0.5 * self.timeouts.heartbeat))
             if running is None:
-                return everyone, time.time()  # a cold start: every process forms the first member set
+                return everyone, time.time(), True
             if self.process_id not in running:
                 break
-            # Still listed: the members have not yet committed a step without this process's
-            # previous life. Give them a while; if they still list it they are waiting for it.
-            if time.monotonic() - listed_since > 2 * self.timeouts.heartbeat + 2:
-                return sorted(running), time.time()
+            # Still listed: the members have not yet entered a step without this process's
+            # previous life (they will at their next step, once they saw it die).
+            if time.monotonic() - listed_since > self.timeouts.admission:
+                raise BarrierTimeout(f"process {self.process_id}: the running members still list its "
+                                     f"previous life after {self.timeouts.describe('admission')}")
             time.sleep(0.2)
         joiner.announce()
         t0 = time.monotonic()
         with self._watch("waiting to be admitted"):  # exits 0 if the run finishes meanwhile
             pids, alive_at = joiner.wait_admitted()
         logger.info("process %d admitted after %.2f s with %s", self.process_id, time.monotonic() - t0, pids)
-        return pids, alive_at
+        return pids, alive_at, False
 
     def votes(self, members: Members) -> "np.ndarray":
         """This member's view of the ready joiners (int32 per process id), to be reduced with
@@ -319,10 +334,6 @@ class ElasticGroup:
         """After a commit: the joiners every member agreed on enter at the next step."""
         if self.admission != "ready":
             return ()
-        if self._published != members.process_ids:
-            self._published = members.process_ids
-            if self.process_id == members.process_ids[0]:
-                admission_lib.publish_members(members.process_ids)
         joiners = tuple(p for p, v in enumerate(agreed_votes) if v and p not in members.process_ids)
         if joiners:
             self._admitting = set(joiners)
@@ -398,17 +409,22 @@ class ElasticGroup:
         if self.process_id == members[0]:
             # process 0 rewrites the global topology when it rebuilds
             _compat.delete_stale_cpu_keys(kv.client(), topology=0 in current)
+        t0 = time.monotonic()
         kv.wait_at_barrier(f"jaxft_reset_{digest}_{attempt}", members, self.timeouts, "reset",
                            "rebuilding the CPU data plane for new members")
+        t1 = time.monotonic()
         for hook in self._pre_reset:
             hook()
         self._meshes.clear()
         self._tainted = False
         jax_backend.clear_backends()
         jax.devices()  # rebuild now, inside the step
+        t2 = time.monotonic()
         for hook in self._post_reset:
             hook()
         self._synced = dict(current)
+        logger.info("process %d rebuilt the CPU data plane for %s: barrier %.3f s, backend %.3f s, state %.3f s",
+                    self.process_id, members, t1 - t0, t2 - t1, time.monotonic() - t2)
 
 
 class _Watchdog:

@@ -65,12 +65,9 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, gl
     ``chunks`` chunks; the result is bitwise independent of the number of devices (see
     :func:`_exact_step`).
     """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    _check_reduction(reduction)
     if reduction == "exact":
-        if not chunks or chunks < 1 or global_batch % chunks:
-            raise ValueError(f"the exact reduction needs chunks >= 1 dividing global_batch={global_batch}, "
-                             f"got {chunks}")
+        _check_chunks(chunks, global_batch)
         step = _exact_step(loss_fn, optimizer, global_batch, chunks, mesh)
     else:
         step = _allreduce_step(loss_fn, optimizer, global_batch)
@@ -153,17 +150,26 @@ def _fold(tree: PyTree) -> PyTree:
 _replicate, _local, _to_host = replicate, local_copy, to_host  # older names, kept for bench/
 
 
-def _exact_chunk(reduction: str, chunks: int | None, micro_batch: int | None, global_batch: int) -> int | None:
-    """The exact reduction's chunk size ``G / chunks`` (None for the all-reduce), validated."""
+def _check_reduction(reduction: str) -> None:
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def _check_chunks(chunks: int | None, global_batch: int) -> None:
+    """The exact reduction cuts the global batch into ``chunks`` equal chunks."""
+    if not chunks or chunks < 1 or global_batch % chunks:
+        raise ValueError(f"reduction='exact' needs exact_chunks, a number >= 1 dividing the global batch "
+                         f"({global_batch}); got {chunks}")
+
+
+def _exact_chunk(reduction: str, chunks: int | None, micro_batch: int | None, global_batch: int) -> int | None:
+    """The exact reduction's chunk size ``G / chunks`` (None for the all-reduce), validated."""
+    _check_reduction(reduction)
     if reduction == "allreduce":
         if chunks is not None:
             raise ValueError("exact_chunks is only used with reduction='exact'")
         return None
-    if chunks is None or chunks < 1 or global_batch % chunks:
-        raise ValueError(f"reduction='exact' needs exact_chunks, a number >= 1 dividing the global batch "
-                         f"({global_batch}); got {chunks}")
+    _check_chunks(chunks, global_batch)
     if micro_batch:
         raise ValueError("reduction='exact' sets the micro-batch itself (global_batch / exact_chunks "
                          f"= {global_batch // chunks} examples); pass micro_batch=None")

@@ -24,6 +24,7 @@ def reference(tmp_path_factory):
     return load(d / "final" / "final-p0.npz")
 
 
+@pytest.mark.soak  # test_a_kill_during_the_first_step_then_rejoin checks the same in the default suite
 def test_members_train_on_while_a_restarted_process_sets_up(reference, tmp_path):
     out = tmp_path / "final"
     proc, events = train(tmp_path, MLP, "--steps", str(STEPS), "--admission", "ready", "--check_every", "5",
@@ -65,6 +66,21 @@ def assert_bitwise(got: dict, want: dict) -> None:
             k, float(np.max(np.abs(got[k] - want[k]))))
 
 
+def killed_and_restarted(tmp_path, fault: str, n: int, step_sleep: float):
+    """A ready-admission run of ``n`` processes with ``fault``, restarted on failure; checks
+    that all ``n`` finish with identical params and returns (events, description, params dir)."""
+    out = tmp_path / "final"
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), "--admission", "ready", "--step_sleep", str(step_sleep),
+                         *EXACT, "--final_params", str(out), n=n, restart="on-failure", faults=[fault],
+                         extra=["--timeout", "reset=30"])
+    why = proc.describe()
+    assert proc.returncode == 0, why
+    f = finals(events)
+    assert sorted(e["process"] for e in f) == list(range(n)), why
+    assert len({e["params_sha256"] for e in f}) == 1, why
+    return events, why, out
+
+
 def test_kill_inside_the_all_reduce_of_four_then_rejoin(reference, tmp_path):
     # Process 1 dies inside step 15 while the others are in its all-reduce. In a ring of four,
     # process 3 is no neighbour of 1: it used to wait out the collective timeout (5 s), and by
@@ -72,21 +88,40 @@ def test_kill_inside_the_all_reduce_of_four_then_rejoin(reference, tmp_path):
     # stayed open in the service; the restart's first query completed it alone and the
     # members' next one waited for it for ever (a deadlock). Now the neighbours' failed
     # collective breaks the ring at once (jaxft.breaker) and an abandoned query is reused.
-    out = tmp_path / "final"
-    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), "--admission", "ready", "--step_sleep", "0.05",
-                         *EXACT, "--final_params", str(out), n=4, restart="on-failure",
-                         faults=["kill:process=1:step=15:phase=in-step"], extra=["--timeout", "reset=30"])
-    why = proc.describe()
-    assert proc.returncode == 0, why
-    f = finals(events)
-    assert sorted(e["process"] for e in f) == [0, 1, 2, 3], why
-    assert len({e["params_sha256"] for e in f}) == 1, why
+    events, why, out = killed_and_restarted(tmp_path, "kill:process=1:step=15:phase=in-step", n=4, step_sleep=0.05)
     failed = of(events, "step_failed", step=15)
     assert sorted(e["process"] for e in failed) == [0, 2, 3], why
     assert all("Gloo" in e["cause"] for e in failed), failed  # left the all-reduce, not a barrier timeout
     by_step = commits_by_step(events)
     assert by_step[15][0]["members"] == [0, 2, 3] and by_step[STEPS - 1][0]["members"] == [0, 1, 2, 3], why
     assert_bitwise(load(out / "final-p1.npz"), reference)  # 4 processes, then 3, then 4: the 3-process bits
+
+
+def test_a_kill_during_the_first_step_then_rejoin(reference, tmp_path):
+    # Process 1 dies inside the very first step, while the others compile it. Its restart
+    # found no running members yet, took itself for part of a cold start and queried over
+    # every process: it trained alone (a second, diverging copy of the run), and the
+    # members' liveness queries fell one query out of step with each other (one had re-asked
+    # without the dead process, one was answered by the service), a 60 s reset-barrier
+    # timeout and a second round of restarts (1 of 2 runs). Now the members publish who runs
+    # at the step's entry, a would-be cold starter gives up its query when the others start
+    # without it, and a smaller answer is always confirmed by one more query.
+    events, why, out = killed_and_restarted(tmp_path, "kill:process=1:step=0:phase=in-step", n=3, step_sleep=0.15)
+    by_step = commits_by_step(events)
+    assert sorted(by_step) == list(range(STEPS))
+    for step, commits in by_step.items():
+        assert len({tuple(c["members"]) for c in commits}) == 1, f"step {step}: members disagree"
+        assert sorted(c["process"] for c in commits) == list(commits[0]["members"]), step
+    # The survivors trained at width 2 from the first step while process 1 restarted and set
+    # up; every member admitted it at the same step, and it entered exactly there (rehydrated).
+    admits = of(events, "admit")
+    assert sorted(a["process"] for a in admits) == [0, 2] and len({a["step"] for a in admits}) == 1, admits
+    entered = admits[0]["step"]
+    assert all(by_step[s][0]["members"] == [0, 2] for s in range(entered)), why
+    assert all(by_step[s][0]["members"] == [0, 1, 2] for s in range(entered, STEPS)), why
+    [rehydrated] = of(events, "rehydrated")
+    assert rehydrated["process"] == 1 and rehydrated["step"] == entered > 0
+    assert_bitwise(load(out / "final-p1.npz"), reference)  # 2 devices, then 3: the 3-device bits
 
 
 @pytest.mark.soak  # long: the default suite stays under its time budget

@@ -51,3 +51,69 @@ def test_a_waiting_query_is_asked_again_without_the_dead(tmp_path):
 def test_without_a_state_dir_it_is_the_plain_query():
     w = deaths.DeathWatch(state_dir="")
     assert w.live_nodes(lambda pids: {p: 3 for p in pids}, [1, 0]) == {0: 3, 1: 3}
+
+
+class SetKeyedService:
+    """The coordination service's rule for ``get_live_nodes`` (GetAliveTasksAsync): a query
+    is matched to the pending one over the same process set, and answers everyone in it once
+    every process the service counts alive has asked."""
+
+    def __init__(self, alive):
+        self.alive = set(alive)
+        self.pending = []  # [(set, asked, event, answer box)]
+        self.lock = threading.Lock()
+
+    def _refresh(self):
+        for state in list(self.pending):
+            tasks, asked, done, box = state
+            if (tasks & self.alive) <= asked:
+                box.append({p: 1 for p in tasks & self.alive})
+                done.set()
+                self.pending.remove(state)
+
+    def query_by(self, me):
+        def query(pids):
+            with self.lock:
+                state = next((s for s in self.pending if s[0] == set(pids)), None)
+                if state is None:
+                    state = (set(pids), set(), threading.Event(), [])
+                    self.pending.append(state)
+                state[1].add(me)
+                self._refresh()
+            assert state[2].wait(5), f"process {me}: query over {sorted(pids)} never answered"
+            return state[3][0]
+        return query
+
+    def declare_dead(self, p):  # the heartbeat timeout
+        with self.lock:
+            self.alive.discard(p)
+            self._refresh()
+
+
+def test_members_stay_in_step_when_one_re_asks_and_another_is_answered(tmp_path):
+    # Process 2 dies. Member 0 sees the launcher's record and re-asks over {0, 1}; member 1 has
+    # no record to read, so the service answers its first query when the heartbeat expires.
+    # Both then make their next query (the next step's) over {0, 1}. Without the confirmation
+    # of a smaller answer, member 1's next query completed member 0's re-ask (one query out of
+    # step) and member 0's next query then waited for ever.
+    service = SetKeyedService({0, 1, 2})
+    w0 = deaths.DeathWatch(str(tmp_path))
+    w0.saw({0: 1, 1: 1, 2: 1})
+    w1 = deaths.DeathWatch(str(tmp_path / "elsewhere"))  # another node: no records
+    results = {0: [], 1: []}
+
+    def member(me, watch):
+        for _ in range(2):
+            results[me].append(watch.live_nodes(service.query_by(me), [0, 1, 2] if not results[me] else [0, 1]))
+
+    t1 = threading.Thread(target=member, args=(1, w1))
+    t1.start()
+    time.sleep(0.1)  # member 1 waits in the query over {0, 1, 2}
+    deaths.record(str(tmp_path), 2, 0)
+    t0 = threading.Thread(target=member, args=(0, w0))
+    t0.start()
+    time.sleep(0.2)  # member 0 asked {0, 1, 2}, read the record, re-asked over {0, 1}
+    service.declare_dead(2)  # member 1's first query is answered: {0, 1}
+    t0.join(10)
+    t1.join(10)
+    assert results == {0: [{0: 1, 1: 1}] * 2, 1: [{0: 1, 1: 1}] * 2}

@@ -21,8 +21,8 @@ import tempfile
 from jaxft.events import read_events
 
 
-def kill_figures(events: list[dict], victims: dict[int, int]) -> dict:
-    """Per kill and per rejoin figures from a run's events (``victims``: fault step -> process)."""
+def kill_figures(events: list[dict]) -> dict:
+    """Per kill and per rejoin figures from a run's events (each victim from its ``fault`` event)."""
     commits = sorted((e["time"], e["step"], e["process"]) for e in events if e["event"] == "commit")
     first_commit: dict[int, float] = {}
     for t, step, _ in commits:
@@ -75,7 +75,7 @@ def bench_kill(n: int = 3, phase: str = "in-step", kills: int = 5, every: int = 
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"benchmark job failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    figures = kill_figures(read_events(run_dir), victims)
+    figures = kill_figures(read_events(run_dir))
     figures.update(processes=n, phase=phase, admission=admission, heartbeat_s=heartbeat,
                    schedule={str(k): v for k, v in victims.items()}, run_dir=os.path.abspath(run_dir))
     return figures
