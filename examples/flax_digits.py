@@ -22,6 +22,9 @@ flags.DEFINE_integer("check_every", 20, "verify bitwise-identical params every N
 flags.DEFINE_float("step_sleep", 0.0, "seconds to sleep after each commit (to stretch demos)")
 flags.DEFINE_integer("checkpoint_every", 0, "async Orbax checkpoint every K steps (0: off); restores on start")
 flags.DEFINE_string("checkpoint_dir", None, "checkpoint directory (default: $JAXFT_RUN_DIR/checkpoints)")
+flags.DEFINE_enum("admission", "connect", ["connect", "ready"],
+                  "connect: a restarted process is a member from its first step (the others wait for its "
+                  "set-up); ready: the others train on and admit it once it is ready (jaxft.admission)")
 FLAGS = flags.FLAGS
 
 
@@ -65,7 +68,7 @@ def main(_):
         from jaxft import checkpoint  # noqa: F401 - Orbax imports slowly
     train, test = load()
     model = make_model()
-    rt = jaxft.initialize()  # before any JAX computation
+    rt = jaxft.initialize(wait_until_forgotten=FLAGS.admission == "ready")  # before any JAX computation
     import jax
 
     params = model.init(jax.random.key(FLAGS.seed), train["x"][:1])["params"]
@@ -91,7 +94,8 @@ def main(_):
             time.sleep(FLAGS.step_sleep)
 
     trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params, data, runtime=rt, micro_batch=FLAGS.micro_batch or None,
-                                   check_every=FLAGS.check_every, on_commit=on_commit)
+                                   check_every=FLAGS.check_every, on_commit=on_commit,
+                                   group=jaxft.ElasticGroup(admission=FLAGS.admission))
     if ckpt is not None and (restored := ckpt.restore(trainer)) is not None:
         print(f"restored step {restored.step} from {restored.path}", flush=True)
     state = trainer.run(FLAGS.steps)

@@ -73,6 +73,7 @@ class DeathWatch:
         # Queries left waiting for a dead process, by process set: the service keeps each one
         # open (this process counted in) until every live process of the set has asked.
         self._abandoned: dict[tuple[int, ...], concurrent.futures.Future] = {}
+        self.lives: dict[int, set[int]] = {}  # every incarnation seen per process
 
     def assume_alive_since(self, pids: Sequence[int], t: float) -> None:
         """A joiner's first view: ``pids`` were all alive at time ``t`` (when it was admitted)."""
@@ -83,6 +84,7 @@ class DeathWatch:
         """Note when each life in ``live`` (process -> service incarnation) was first seen."""
         now = time.time()
         for p, inc in live.items():
+            self.lives.setdefault(p, set()).add(inc)
             known = self.since.get(p)
             if known is None or (known[0] is not None and known[0] != inc):
                 self.since[p] = (inc, now)
@@ -152,7 +154,9 @@ class DeathWatch:
             pids = [p for p in pids if p not in gone]
 
     def _reuse(self, key: tuple[int, ...], expect: Collection[int]) -> concurrent.futures.Future | None:
-        """The abandoned query over ``key`` if it is still open, or answered with ``expect`` in it."""
+        """The abandoned query over ``key`` if it is still open, or answered with the new lives
+        of ``expect`` in it (an answer naming a life seen before is an old query's: reusing it
+        would leave this process one query out of step with the others)."""
         future = self._abandoned.pop(key, None)
         if future is None or not future.done():
             return future
@@ -160,7 +164,9 @@ class DeathWatch:
             answer = future.result()
         except Exception:  # noqa: BLE001 - a failed old query: ask again
             return None
-        return future if expect and set(expect) <= {int(p) for p in answer} else None
+        got = {int(p): int(i) for p, i in answer.items()}
+        new = all(p in got and got[p] not in self.lives.get(p, ()) for p in expect)
+        return future if expect and new else None
 
 
 def _ask(query: Callable[[list[int]], Mapping[Any, Any]], pids: Sequence[int]) -> concurrent.futures.Future:

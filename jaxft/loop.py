@@ -306,6 +306,7 @@ class ElasticLoop:
                 batch, mask = self._batch(step, m)
                 agreed = None
                 self.faults.point("in-step", step)
+                t_program = time.monotonic()
                 if self.group.admission == "ready":  # admission votes ride in the step's own program
                     votes = _votes_array(self.group.votes(m), m.mesh, self.group.axis_name)
                     new_global, metrics, agreed = fn(self._replicated(state, m), batch, mask, votes)
@@ -313,6 +314,7 @@ class ElasticLoop:
                 else:
                     new_global, metrics = fn(self._replicated(state, m), batch, mask)
                 jax.block_until_ready((new_global, metrics))
+                t_program = time.monotonic() - t_program
                 self.faults.point("after-grad", step)
                 new_state = local_copy(new_global)
                 if self.check_every and (step + 1) % self.check_every == 0:
@@ -338,7 +340,10 @@ class ElasticLoop:
         record = StepRecord(step, scalars.get("loss"), m.process_ids, generation, dict(m.incarnations), scalars)
         self.events.log("commit", step=step, members=list(m.process_ids), generation=generation,
                         loss=scalars.get("loss"))
-        if agreed is not None:
+        if m.reset:  # where a recovery's time goes: the rebuild, then the program (compiled or loaded)
+            self.events.log("data_plane", step=step, program_s=round(t_program, 4), **self.group.last_reset)
+        target = self.group.target
+        if agreed is not None and (target is None or step + 1 < target):  # no admission after the last step
             admitted = self.group.admit(m, agreed)
             if admitted:
                 self.events.log("admit", step=step + 1, joiners=list(admitted))

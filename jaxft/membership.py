@@ -115,13 +115,19 @@ class ElasticGroup:
         self._synced: dict[int, int] | None = None  # member map the data plane was built for
         self._agreed: dict[int, int] | None = None  # member map of the last committed step
         self._reset_attempts: dict[str, int] = {}
-        # A step failed after its body began: the CPU communicators are suspect. gloo caches
-        # them per device list; an aborted all-reduce can leave a partial message on a pair,
-        # which the next collective would read as its own ("Received data size doesn't match
-        # expected size", SIGABRT), and a member whose collective failed broke its connections
-        # (jaxft.breaker), which every pair with it shares. Every member of a failed step sees
-        # the same failure, so all of them rebuild at the next step.
-        self._tainted = False
+        self.last_reset: dict[str, float] = {}  # seconds spent in the last data-plane rebuild, by part
+        # A step failed after its body began: the CPU communicators built so far are suspect.
+        # gloo caches them per device list; an aborted all-reduce can leave a partial message
+        # on a pair, which the next collective would read as its own ("Received data size
+        # doesn't match expected size", SIGABRT), and a member whose collective failed broke
+        # its connections (jaxft.breaker), which every pair with it shares. A step over a
+        # suspect list rebuilds the data plane first; a step over a list not used since the
+        # last rebuild gets a fresh communicator from gloo, so survivors of a failure go on at
+        # their narrower width without a rebuild (and keep their compiled executables). Every
+        # member of a failed step sees the same failure and the same history of lists since
+        # the last rebuild, so all of them decide alike.
+        self._used: set[tuple[int, ...]] = set()  # process-id lists stepped on since the last rebuild
+        self._suspect: set[tuple[int, ...]] = set()
         self._meshes: dict[tuple[int, ...], Mesh] = {}
         self._pre_reset: list[Callable[[], None]] = []
         self._post_reset: list[Callable[[], None]] = []
@@ -258,21 +264,22 @@ class ElasticGroup:
 
     def _taint(self) -> None:
         """A step failed after its body began: rebuild the CPU data plane before the next one."""
-        self._tainted = self.needs_data_plane_reset
+        if self.needs_data_plane_reset:
+            self._suspect |= self._used
 
     def _break_if_collective_failed(self, error: BaseException) -> None:
         """This process's collective failed: fail the others' now too (see :mod:`jaxft.breaker`)."""
         if self.needs_data_plane_reset and jax.process_count() > 1 and breaker.is_collective_failure(error):
             breaker.break_data_plane()
-            self._tainted = True
+            self._suspect |= self._used
 
     # -- admission (admission="ready") -------------------------------------------------
     def _entry_query(self, client) -> dict[int, int]:
         """The step's entry liveness query over the members plus those admitted at the last
         commit; on this process's first step over what :meth:`_join` says."""
         while True:
-            give_up = None
-            if self._barrier_pids is None:
+            give_up, first, cold = None, self._barrier_pids is None, False
+            if first:
                 pids, alive_at, cold = self._join()
                 # lives that died before alive_at - 1 s are earlier lives (a restart connects only
                 # heartbeat + 1.5 s after a death): a record counts only against a later one
@@ -286,10 +293,23 @@ class ElasticGroup:
                 pids = sorted(set(self._barrier_pids) | self._admitting)
             try:
                 with self._watch("entering a step"):
-                    return self._deaths.live_nodes(client.get_live_nodes, pids, expect=self._admitting,
-                                                   give_up=give_up)
+                    entry = self._deaths.live_nodes(client.get_live_nodes, pids, expect=self._admitting,
+                                                    give_up=give_up)
+                if first and not cold and set(entry) == {self.process_id}:
+                    self._left_alone()
+                return entry
             except deaths_lib.GaveUp:
                 logger.info("process %d: the others started without it; joining them", self.process_id)
+
+    def _left_alone(self) -> None:
+        """Admitted, but none of the members that admitted this process is alive at its
+        first step: the run ended right then (exit 0) or they all died (go on alone)."""
+        deadline = time.monotonic() + 2.0  # members mark the run finished right after its last step
+        while time.monotonic() < deadline:
+            if self.run_finished():
+                _hard_exit(0, f"jaxft: the run finished as process {self.process_id} was admitted; exiting 0")
+            time.sleep(0.1)
+        logger.warning("process %d: the members that admitted it are gone; going on alone", self.process_id)
 
     def _join(self) -> tuple[list[int], float, bool]:
         """This process's first step: the barrier's process ids, when they were all alive, and
@@ -385,12 +405,14 @@ class ElasticGroup:
         if previous != current:
             self.generation += 1
         gained = is_new(self._agreed, current)
-        reset = self.needs_data_plane_reset and (is_new(self._synced, current) or self._tainted)
+        key = tuple(sorted(current))
+        reset = self.needs_data_plane_reset and (is_new(self._synced, current) or key in self._suspect)
         if reset:
             self._reset_data_plane(current)
             devices = [d for d in jax.devices() if d.process_index in current]
         elif self._synced is None:
             self._synced = dict(current)
+        self._used.add(key)
         self._previous = dict(current)
         devices = tuple(sorted(devices, key=lambda d: d.id))
         mesh_is_new = tuple(d.id for d in devices) not in self._meshes
@@ -416,15 +438,17 @@ class ElasticGroup:
         for hook in self._pre_reset:
             hook()
         self._meshes.clear()
-        self._tainted = False
+        self._used.clear()
+        self._suspect.clear()
         jax_backend.clear_backends()
         jax.devices()  # rebuild now, inside the step
         t2 = time.monotonic()
         for hook in self._post_reset:
             hook()
         self._synced = dict(current)
-        logger.info("process %d rebuilt the CPU data plane for %s: barrier %.3f s, backend %.3f s, state %.3f s",
-                    self.process_id, members, t1 - t0, t2 - t1, time.monotonic() - t2)
+        self.last_reset = {"barrier_s": round(t1 - t0, 4), "backend_s": round(t2 - t1, 4),
+                           "state_s": round(time.monotonic() - t2, 4)}
+        logger.info("process %d rebuilt the CPU data plane for %s: %s", self.process_id, members, self.last_reset)
 
 
 class _Watchdog:

@@ -4,11 +4,13 @@
 #
 #   scripts/launch_local.sh
 #   N=3 STEPS=80 scripts/launch_local.sh
+#   ADMISSION=connect scripts/launch_local.sh   # restarted processes join at once (the others wait)
 #
 # Creates .venv on first use. Faults: process 0 is killed mid-step (the others retry the
 # step without it, then it is restarted and rehydrated from a live peer), the last process
 # dies before a step, and finally every process dies at once (a cold restart from the
 # latest complete Orbax checkpoint). All processes end with bitwise-identical parameters.
+# Ready admission (the default here): the others train on while a restarted process sets up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,6 +39,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 fi
 N=${N:-4}
 STEPS=${STEPS:-50}
+ADMISSION=${ADMISSION:-ready}
 RUN_DIR=${RUN_DIR:-runs/launch_local-$(date +%Y%m%d-%H%M%S)}
 LAST=$((N - 1))
 
@@ -46,7 +49,7 @@ set +e
   --fault "kill:process=0:step=$((STEPS / 5))" \
   --fault "kill:process=$LAST:step=$((2 * STEPS / 5)):phase=before-step" \
   --fault "kill-all:step=$((7 * STEPS / 10))" \
-  -- .venv/bin/python examples/flax_digits.py --steps "$STEPS" --checkpoint_every 10
+  -- .venv/bin/python examples/flax_digits.py --steps "$STEPS" --checkpoint_every 10 --admission "$ADMISSION"
 code=$?
 set -e
 echo

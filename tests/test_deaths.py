@@ -1,5 +1,6 @@
 """The launcher's death records and the members' reading of them (no jax needed)."""
 
+import concurrent.futures
 import threading
 import time
 
@@ -117,3 +118,28 @@ def test_members_stay_in_step_when_one_re_asks_and_another_is_answered(tmp_path)
     t0.join(10)
     t1.join(10)
     assert results == {0: [{0: 1, 1: 1}] * 2, 1: [{0: 1, 1: 1}] * 2}
+
+
+def test_an_old_answer_naming_a_joiners_previous_life_is_not_reused(tmp_path):
+    # Process 2 died; the members' abandoned query over {0, 1, 2} was answered {0, 1} (process
+    # 1's first life). Later process 1 dies too, comes back, and is admitted over {0, 1, 2}:
+    # that old answer names process 1 but not its new life. Reusing it put the member one
+    # query out of step with the joiner (both waited for ever); it must ask afresh.
+    w = deaths.DeathWatch(str(tmp_path))
+    w.saw({0: 10, 1: 11, 2: 12})
+    old = concurrent.futures.Future()
+    old.set_result({0: 10, 1: 11})
+    w._abandoned[(0, 1, 2)] = old
+    asked = []
+
+    def query(pids):
+        asked.append(list(pids))
+        return {0: 10, 1: 21, 2: 22}
+
+    assert w.live_nodes(query, [0, 1, 2], expect={1}) == {0: 10, 1: 21, 2: 22}
+    assert asked == [[0, 1, 2]]
+    # an answer with the joiner's new life in it is the query the joiner completed: reused
+    fresh = concurrent.futures.Future()
+    fresh.set_result({0: 10, 1: 31, 2: 22})
+    w._abandoned[(0, 1, 2)] = fresh
+    assert w.live_nodes(query, [0, 1, 2], expect={1}) == {0: 10, 1: 31, 2: 22} and len(asked) == 1
