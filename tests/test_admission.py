@@ -94,6 +94,11 @@ def test_kill_inside_the_all_reduce_of_four_then_rejoin(reference, tmp_path):
     assert all("Gloo" in e["cause"] for e in failed), failed  # left the all-reduce, not a barrier timeout
     by_step = commits_by_step(events)
     assert by_step[15][0]["members"] == [0, 2, 3] and by_step[STEPS - 1][0]["members"] == [0, 1, 2, 3], why
+    # The survivors retried step 15 on a fresh communicator of the same backend (no rebuild);
+    # the admission of the restarted process rebuilt the data plane on all four.
+    assert not of(events, "data_plane", step=15), of(events, "data_plane", step=15)
+    [admitted] = {a["step"] for a in of(events, "admit")}
+    assert sorted(e["process"] for e in of(events, "data_plane", step=admitted)) == [0, 1, 2, 3], why
     assert_bitwise(load(out / "final-p1.npz"), reference)  # 4 processes, then 3, then 4: the 3-process bits
 
 
