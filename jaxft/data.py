@@ -158,6 +158,25 @@ def step_batch(data, step: int, mesh, micro_batch: int | None = None, chunk: int
     return jax.tree_util.tree_map(spread, part)
 
 
+def batch_specs(template: PyTree, mesh, axis_name: str = "data", micro_batch: int | None = None,
+                flat: bool = False, chunk: int | None = None) -> tuple[PyTree, jax.ShapeDtypeStruct]:
+    """What :func:`shard_batch` would return for a global batch shaped like ``template``
+    (leaves with ``.shape [G, ...]`` and ``.dtype``), as ``jax.ShapeDtypeStruct`` s: enough to
+    compile a step for ``mesh`` ahead of time (:mod:`jaxft.warmup`) without the data."""
+    leaves = jax.tree_util.tree_leaves(template)
+    layout = Layout.of(int(leaves[0].shape[0]), mesh.devices.size, None if flat else micro_batch, chunk)
+    sharding = NamedSharding(mesh, P(axis_name) if flat else P(None, axis_name))
+    rows = (layout.num_micro, layout.num_devices * layout.micro_size)
+    if flat:
+        rows = rows[1:]
+
+    def spec(shape, dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(rows + tuple(shape), dtype, sharding=sharding)
+
+    return (jax.tree_util.tree_map(lambda x: spec(x.shape[1:], x.dtype), template),
+            spec((), np.dtype(np.float32)))
+
+
 def shard_batch(batch: PyTree, mesh, axis_name: str = "data",
                 micro_batch: int | None = None, flat: bool = False,
                 chunk: int | None = None) -> tuple[PyTree, jax.Array]:

@@ -8,6 +8,13 @@ directory the launcher already shares with its workers (``JAXFT_FAULT_STATE_DIR`
 waiting for a process whose current life is confirmed dead and query again without it;
 the abandoned query completes on its own at the heartbeat timeout and is ignored.
 
+:class:`Tripwire` does the same for a member inside a step's body: a process that dies
+while the others run the step's collectives is met by gloo only on the pairs that lead to
+it, and a member that waits on a live peer that already gave up would wait out the
+collective timeout (seen: two of three survivors stalled 5 s). The tripwire calls its
+action (the breaker) the moment a member's death is recorded, whatever pair this process
+waits on.
+
 Safety: only an exited OS process is recorded (never a guess from timing), so a slow but
 alive worker is never left out by this; a record counts only against a life that began
 before it (a re-admitted process is not affected by its previous death). Workers on other
@@ -74,6 +81,10 @@ class DeathWatch:
         # open (this process counted in) until every live process of the set has asked.
         self._abandoned: dict[tuple[int, ...], concurrent.futures.Future] = {}
         self.lives: dict[int, set[int]] = {}  # every incarnation seen per process
+        self._lock = threading.Lock()  # dead() is called from a Tripwire's thread too
+        self._cache: dict[int, float] = {}
+        self._stamp: tuple[int, int] | None = None
+        self._read_at = 0.0
 
     def assume_alive_since(self, pids: Sequence[int], t: float) -> None:
         """A joiner's first view: ``pids`` were all alive at time ``t`` (when it was admitted)."""
@@ -91,12 +102,24 @@ class DeathWatch:
             elif known[0] is None:
                 self.since[p] = (inc, known[1])
 
+    def _records(self) -> dict[int, float]:
+        """:func:`deaths`, re-read only when the records directory changed (it is polled)."""
+        try:
+            st = os.stat(os.path.join(self.state_dir, SUBDIR))
+            stamp = (st.st_mtime_ns, st.st_ino)
+        except OSError:
+            return {}
+        with self._lock:
+            if self._stamp != stamp or time.time() - self._read_at > 0.25:
+                self._cache, self._stamp, self._read_at = deaths(self.state_dir), stamp, time.time()
+            return self._cache
+
     def dead(self, pids: Sequence[int]) -> set[int]:
         """Those of ``pids`` whose current life, as this process knows it, was recorded dead
         (a life it knows nothing of never counts: the heartbeat decides then)."""
         if not self.state_dir:
             return set()
-        rec = deaths(self.state_dir)
+        rec = self._records()
         return {p for p in pids if p in rec and p in self.since and rec[p] > self.since[p][1]}
 
     def live_nodes(self, query: Callable[[list[int]], Mapping[Any, Any]], pids: Sequence[int],
@@ -167,6 +190,46 @@ class DeathWatch:
         got = {int(p): int(i) for p, i in answer.items()}
         new = all(p in got and got[p] not in self.lives.get(p, ()) for p in expect)
         return future if expect and new else None
+
+
+class Tripwire:
+    """While armed over a step's members, calls ``action(dead)`` once if the launcher records
+    one of them dead (a daemon thread, polling the records every ``poll_s``)."""
+
+    def __init__(self, watch: DeathWatch, action: Callable[[set[int]], None], poll_s: float = 0.01):
+        self.watch, self.action, self.poll_s = watch, action, poll_s
+        self._cond = threading.Condition()
+        self._armed: tuple[int, ...] | None = None
+        self._epoch = 0
+        self.tripped = 0  # how many times the action ran
+        if watch.state_dir:
+            threading.Thread(target=self._run, daemon=True, name="jaxft-tripwire").start()
+
+    def arm(self, pids: Sequence[int]) -> None:
+        with self._cond:
+            self._armed, self._epoch = tuple(pids), self._epoch + 1
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._armed = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._armed is None:
+                    self._cond.wait()
+                pids, epoch = self._armed, self._epoch
+            gone = self.watch.dead(pids)
+            with self._cond:
+                fire = bool(gone) and self._armed is not None and self._epoch == epoch
+                if fire:
+                    self._armed = None  # once per arming
+            if fire:
+                self.tripped += 1
+                self.action(gone)
+            else:
+                time.sleep(self.poll_s)
 
 
 def _ask(query: Callable[[list[int]], Mapping[Any, Any]], pids: Sequence[int]) -> concurrent.futures.Future:

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Iterator, TextIO
 
-from jaxft import deaths, envvars
+from jaxft import deaths, envvars, priority
 from jaxft.console import Console
 from jaxft.coordinator import Coordinator, wait_reachable
 from jaxft.errors import EXIT_CONFIG_ERROR, LaunchError
@@ -109,10 +109,19 @@ class Launcher:
 
     def _start(self, worker: _Worker, address: str, fault_dir: str) -> None:
         worker.incarnation += 1
+        env = self._env(worker, address, fault_dir)
+        preexec = _set_pdeathsig
+        nice = priority.lowered_nice() if worker.incarnation > 0 else None
+        if nice is not None:  # a restart sets up niced, and restores this priority as it joins
+            env[priority.BASE_NICE] = str(os.getpriority(os.PRIO_PROCESS, 0))
+
+            def preexec() -> None:
+                _set_pdeathsig()
+                priority.start_niced(nice)
         worker.proc = subprocess.Popen(
-            list(self.config.command), env=self._env(worker, address, fault_dir),
+            list(self.config.command), env=env,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_set_pdeathsig)
+            start_new_session=True, preexec_fn=preexec)
         worker.stopped_since = None
         worker.reader = threading.Thread(target=self.console.pump,
                                          args=(worker.process_id, worker.incarnation, worker.proc.stdout),

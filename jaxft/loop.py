@@ -44,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxft import rejoin, stopping, transfer
-from jaxft.data import shard_batch, step_batch
+from jaxft import rejoin, stopping, transfer, warmup
+from jaxft.data import batch_specs, shard_batch, step_batch
 from jaxft.errors import ConsistencyError, RetryBudgetExceeded, StepFailed, TooFewMembers
 from jaxft.events import EventLog
 from jaxft.faults import FaultInjector
@@ -65,6 +65,12 @@ def _with_votes(fn: Callable, mesh: Mesh) -> Callable:
         return new_state, metrics, jnp.max(votes, axis=0)
 
     return jax.jit(step, out_shardings=NamedSharding(mesh, P()))
+
+
+def _votes_spec(mesh: Mesh, axis_name: str) -> jax.ShapeDtypeStruct:
+    """The shape of :func:`_votes_array`'s result, for compiling ahead of time."""
+    return jax.ShapeDtypeStruct((mesh.devices.size, jax.process_count()), np.dtype(np.int32),
+                                sharding=NamedSharding(mesh, P(axis_name)))
 
 
 def _votes_array(votes: np.ndarray, mesh: Mesh, axis_name: str) -> jax.Array:
@@ -159,6 +165,11 @@ class ElasticLoop:
         ``Timeouts.barrier``), then raise :class:`~jaxft.errors.TooFewMembers`.
       max_attempts: failed attempts in a row at one step before
         :class:`~jaxft.errors.RetryBudgetExceeded` (None: unbounded).
+      precompile: after the members change, process 0 compiles the step in the background
+        for each member set one failure away (the members less one process), while there are
+        at most this many members (0: never), so that survivors of a failure load the
+        executable from the persistent compilation cache instead of compiling it
+        (:mod:`jaxft.warmup`).
     """
 
     def __init__(self, step_fn: StepFn | None, state: PyTree, data, *, runtime=None,
@@ -166,7 +177,8 @@ class ElasticLoop:
                  make_step: Callable[[Mesh], Callable] | None = None, micro_batch: int | None = None,
                  stacked: bool = False, check_every: int = 0, group: ElasticGroup | None = None,
                  on_commit: Callable[[Any, StepRecord], None] | None = None, step: int = 0,
-                 min_members: int = 1, max_attempts: int | None = 100, chunk: int | None = None):
+                 min_members: int = 1, max_attempts: int | None = 100, chunk: int | None = None,
+                 precompile: int = 0):
         if (step_fn is None) == (make_step is None):
             raise ValueError("pass exactly one of step_fn and make_step")
         if min_members < 1:
@@ -195,6 +207,11 @@ class ElasticLoop:
         # The last step's replicated outputs, reused while the members and the state stay the same.
         self._global: tuple | None = None  # (device ids, ids of the local leaves, global state)
         self.group.on_reset(before=self._state_to_host, after=self._compiled.clear)
+        self.precompile = precompile
+        self._warmer: warmup.Warmer | None = None
+        self._warmed_for: tuple[int, ...] | None = None  # the member set the last warm-up was for
+        self._precompiled: set[tuple[int, ...]] = set()  # member sets compiled ahead in this life
+        self._batch_template: PyTree | None = None  # shapes and dtypes of a host global batch
 
     @property
     def global_batch(self) -> int:
@@ -214,17 +231,76 @@ class ElasticLoop:
         self.step, self.state, self._global = int(step), canonical(state), None
 
     def _fn(self, m: Members) -> Callable:
-        key = tuple(d.id for d in m.devices)
+        return self._fn_for(m.mesh)
+
+    def _fn_for(self, mesh: Mesh) -> Callable:
+        """The jitted step for ``mesh`` (one per device set; the background warm-up uses it too)."""
+        key = tuple(d.id for d in mesh.devices.flat)
         fn = self._compiled.get(key)
         if fn is None:
             if self.make_step is not None:
-                fn = self.make_step(m.mesh)
+                fn = self.make_step(mesh)
             else:
-                fn = jax.jit(self.step_fn, out_shardings=NamedSharding(m.mesh, P()))
+                fn = jax.jit(self.step_fn, out_shardings=NamedSharding(mesh, P()))
             if self.group.admission == "ready":
-                fn = _with_votes(fn, m.mesh)
-            self._compiled[key] = fn
+                fn = _with_votes(fn, mesh)
+            elif self.precompile and not hasattr(fn, "lower"):  # a plain function around jitted ones
+                fn = jax.jit(fn, out_shardings=NamedSharding(mesh, P()))  # one program, to compile ahead
+            fn = self._compiled.setdefault(key, fn)
         return fn
+
+    # -- compiling ahead (jaxft.warmup) ---------------------------------------------------
+    def _warm_up(self, m: Members) -> None:
+        """Process 0, after a commit on a member set it did not warm up for yet: compile, in
+        the background, the step for each set one failure away (same state and batch shapes,
+        another mesh) into jax's caches, the persistent one included (see :mod:`jaxft.warmup`)."""
+        if (not self.precompile or len(m.process_ids) > self.precompile or self._batch_template is None
+                or self.group.process_id != 0 or self._warmed_for == m.process_ids):
+            return
+        if self._warmer is None:
+            self._warmer = warmup.Warmer(on_done=self._precompiled_one)
+            self.group.on_reset(before=self._warm_pause_enter, after=self._warm_pause_exit)
+        self._warmed_for = m.process_ids
+        state = jax.tree_util.tree_map(  # leaves are numpy or jax arrays (see canonical)
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=bool(getattr(x, "weak_type", False))),
+            self.state)
+        template = self._batch_template
+        for pids in warmup.shrinks(m.process_ids, self.min_members):
+            if pids in self._precompiled:  # on disk already: after a rebuild it loads from there
+                continue
+            self._warmer.submit(pids, lambda pids=pids: self._compile_for(self._mesh_of(pids), state, template))
+
+    def _precompiled_one(self, pids: tuple[int, ...], seconds: float) -> None:
+        """The warm-up thread compiled the step for ``pids`` (logged as ``precompiled``)."""
+        self._precompiled.add(pids)
+        self.events.log("precompiled", members=list(pids), seconds=round(seconds, 3))
+
+    def _mesh_of(self, pids: tuple[int, ...]) -> Mesh:
+        """The 1-D mesh a step over processes ``pids`` runs on (devices sorted by id, as in
+        :class:`~jaxft.Members`)."""
+        devices = sorted((d for d in jax.devices() if d.process_index in pids), key=lambda d: d.id)
+        return Mesh(devices, (self.group.axis_name,))
+
+    def _compile_for(self, mesh: Mesh, state_shapes: PyTree, template: PyTree) -> None:
+        """Lower and compile the step for ``mesh`` with the arguments :meth:`try_step` will give it."""
+        fn = self._fn_for(mesh)
+        replicated = NamedSharding(mesh, P())
+        state = jax.tree_util.tree_map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated, weak_type=s.weak_type), state_shapes)
+        micro = self.micro_batch if self.stacked else None
+        batch, mask = batch_specs(template, mesh, self.group.axis_name, micro, flat=not self.stacked,
+                                  chunk=self.chunk)
+        args = (state, batch, mask) + ((_votes_spec(mesh, self.group.axis_name),)
+                                       if self.group.admission == "ready" else ())
+        fn.lower(*args).compile()
+
+    def _warm_pause_enter(self) -> None:
+        self._warm_paused = self._warmer.pause()
+        self._warm_paused.__enter__()
+        self._warmed_for = None
+
+    def _warm_pause_exit(self) -> None:
+        self._warm_paused.__exit__(None, None, None)
 
     def _replicated(self, state: PyTree, m: Members) -> PyTree:
         g = self._global
@@ -242,8 +318,10 @@ class ElasticLoop:
 
     def _batch(self, step: int, m: Members) -> tuple[PyTree, jax.Array]:
         micro = self.micro_batch if self.stacked else None
-        return shard_batch(step_batch(self.data, step, m.mesh, micro, self.chunk), m.mesh, self.group.axis_name,
-                           micro, flat=not self.stacked, chunk=self.chunk)
+        host = step_batch(self.data, step, m.mesh, micro, self.chunk)
+        if self._batch_template is None:
+            self._batch_template = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), host)
+        return shard_batch(host, m.mesh, self.group.axis_name, micro, flat=not self.stacked, chunk=self.chunk)
 
     # -- the loop -----------------------------------------------------------------------
     def run(self, num_steps: int, before_attempt: Callable[[], None] | None = None) -> PyTree:
@@ -347,6 +425,7 @@ class ElasticLoop:
             admitted = self.group.admit(m, agreed)
             if admitted:
                 self.events.log("admit", step=step + 1, joiners=list(admitted))
+        self._warm_up(m)
         if self.on_commit is not None:
             self.on_commit(self, record)
         self.faults.point("after-commit", step)

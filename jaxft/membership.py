@@ -32,7 +32,7 @@ from jax.experimental import multihost_utils
 from jax.extend import backend as jax_backend
 from jax.sharding import Mesh
 
-from jaxft import _compat, admission as admission_lib, breaker, deaths as deaths_lib, kv
+from jaxft import _compat, admission as admission_lib, breaker, deaths as deaths_lib, kv, priority
 from jaxft import timeouts as timeouts_lib
 from jaxft.errors import BarrierTimeout, StepFailed
 from jaxft.hang import WAIT_NOTICE_S, HangMonitor
@@ -103,6 +103,7 @@ class ElasticGroup:
         self._watcher: admission_lib.ReadyWatcher | None = None
         self._published: tuple[int, ...] | None = None
         self._deaths: deaths_lib.DeathWatch | None = None
+        self._tripwire: deaths_lib.Tripwire | None = None
         self.axis_name = axis_name
         self.timeouts = (timeouts or timeouts_lib.current()).replace(barrier=barrier_timeout_s)
         self.barrier_timeout_s = self.timeouts.barrier
@@ -177,6 +178,7 @@ class ElasticGroup:
             with self._ready_step() as members:
                 yield members
             return
+        priority.restore()  # a restart set up niced (see jaxft.priority): it is a member from now on
         cm = multihost_utils.live_devices(jax.devices())
         members: Members | None = None
         try:
@@ -237,15 +239,21 @@ class ElasticGroup:
         live_map = {d: entry[d.process_index] for d in jax.devices() if d.process_index in entry}
         error: BaseException | None = None
         members: Members | None = None
+        tripwire = self._tripwire_for(entry)
         try:
             self.hang.step_started()
             members = self._enter(list(live_map), live_map)
             if members.reset or members.gained or members.mesh_is_new:
                 self.hang.long_step()  # a compile or a rejoin: bounded by Timeouts.setup
+            if tripwire is not None:
+                tripwire.arm([p for p in entry if p != self.process_id])
             yield members
         except BaseException as e:  # noqa: BLE001 - re-raised below unless a member failed
             error = e
             self._break_if_collective_failed(e)
+        finally:
+            if tripwire is not None:
+                tripwire.disarm()
         try:
             with self._watch("leaving a failed step" if error is not None else "leaving a step"):
                 exit_ = self._deaths.live_nodes(client.get_live_nodes, sorted(entry))
@@ -261,6 +269,20 @@ class ElasticGroup:
             raise error
         self._agreed = dict(members.incarnations)
         self._committed = exit_
+
+    def _tripwire_for(self, entry: Mapping[int, int]) -> deaths_lib.Tripwire | None:
+        """The step body's tripwire: a member recorded dead breaks this process's CPU data
+        plane at once (the body's collective then fails here, whichever pair it waits on)."""
+        if not self.needs_data_plane_reset or len(entry) < 2 or not self._deaths.state_dir:
+            return None
+        if self._tripwire is None:
+            def trip(dead: set[int]) -> None:
+                n = breaker.break_data_plane()
+                logger.info("process %d: members %s recorded dead during the step; broke %d connections",
+                            self.process_id, sorted(dead), n)
+
+            self._tripwire = deaths_lib.Tripwire(self._deaths, trip)
+        return self._tripwire
 
     def _taint(self) -> None:
         """A step failed after its body began: rebuild the CPU data plane before the next one."""
@@ -281,6 +303,7 @@ class ElasticGroup:
             give_up, first, cold = None, self._barrier_pids is None, False
             if first:
                 pids, alive_at, cold = self._join()
+                priority.restore()  # a restart set up niced (see jaxft.priority): it joins now
                 # lives that died before alive_at - 1 s are earlier lives (a restart connects only
                 # heartbeat + 1.5 s after a death): a record counts only against a later one
                 self._deaths.assume_alive_since(pids, alive_at - 1.0)

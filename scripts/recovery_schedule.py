@@ -3,7 +3,7 @@ SIGKILLed at 12/24/36/48 s and restarted at once, heartbeat 3 s; fault-free vs j
 admission) side by side. Prints goodput, time lost per kill, min width, max stall and the
 leaf-by-leaf relative difference of the final params from the fault-free run's.
 
-    .venv/bin/python scripts/recovery_schedule.py [--admission ready|connect] [--steps 450] [--reduction exact]
+    .venv/bin/python scripts/recovery_schedule.py [--admission ready|connect] [--steps 450] [--reduction exact] [--precompile 8]
 """
 
 import argparse
@@ -19,7 +19,8 @@ from jaxft.bench.chaos import run_figures
 from jaxft.events import read_events
 
 
-def run(base: str, name: str, steps: int, admission: str, faults: list[str], reduction: str) -> dict:
+def run(base: str, name: str, steps: int, admission: str, faults: list[str], reduction: str,
+        precompile: int = 0) -> dict:
     run_dir = os.path.join(base, name)
     cmd = [sys.executable, "-m", "jaxft.cli", "launch", "-n", "4", "--run-dir", run_dir, "--restart", "on-failure",
            "--heartbeat-timeout", "3", "--max-restarts", "50"]
@@ -27,7 +28,8 @@ def run(base: str, name: str, steps: int, admission: str, faults: list[str], red
         cmd += ["--fault", f]
     cmd += ["--", sys.executable, "-m", "jaxft.bench.mlp", "--steps", str(steps), "--step_sleep", "0.1",
             "--check_every", "0", "--admission", admission, "--final_params", os.path.join(run_dir, "final"),
-            "--reduction", reduction] + (["--exact_chunks", "8"] if reduction == "exact" else [])
+            "--reduction", reduction, "--precompile", str(precompile)] + (
+                ["--exact_chunks", "8"] if reduction == "exact" else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -42,15 +44,16 @@ def main() -> None:
     ap.add_argument("--admission", default="ready")
     ap.add_argument("--steps", type=int, default=450)
     ap.add_argument("--reduction", choices=("allreduce", "exact"), default="allreduce")
+    ap.add_argument("--precompile", type=int, default=0, help="mlp --precompile (jaxft.warmup); 0: off")
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="jaxft-issue13-")
     kills = [f"kill:process=1:after={t}s" for t in (12, 24, 36, 48)]
-    ff = run(base, "fault_free", args.steps, args.admission, [], args.reduction)
-    ft = run(base, "jaxft", args.steps, args.admission, kills, args.reduction)
+    ff = run(base, "fault_free", args.steps, args.admission, [], args.reduction, args.precompile)
+    ft = run(base, "jaxft", args.steps, args.admission, kills, args.reduction, args.precompile)
     rel = {k: float(np.linalg.norm(ft["params"][k] - v) / max(np.linalg.norm(v), 1e-30))
            for k, v in ff["params"].items()}
     bitwise = all(np.array_equal(ft["params"][k], v) for k, v in ff["params"].items())
-    out = {"admission": args.admission, "reduction": args.reduction, "goodput": round(ff["train_s"] / ft["train_s"], 3),
+    out = {"admission": args.admission, "reduction": args.reduction, "precompile": args.precompile, "goodput": round(ff["train_s"] / ft["train_s"], 3),
            "lost_per_kill_s": round((ft["train_s"] - ff["train_s"]) / len(kills), 3),
            "fault_free": {k: v for k, v in ff.items() if k != "params"},
            "jaxft": {k: v for k, v in ft.items() if k != "params"},

@@ -143,3 +143,47 @@ def test_an_old_answer_naming_a_joiners_previous_life_is_not_reused(tmp_path):
     fresh.set_result({0: 10, 1: 31, 2: 22})
     w._abandoned[(0, 1, 2)] = fresh
     assert w.live_nodes(query, [0, 1, 2], expect={1}) == {0: 10, 1: 31, 2: 22} and len(asked) == 1
+
+
+def test_a_tripwire_fires_once_per_arming_for_a_member_recorded_dead(tmp_path):
+    w = deaths.DeathWatch(str(tmp_path))
+    w.saw({0: 1, 1: 1, 2: 1})
+    fired: list[set[int]] = []
+    hit = threading.Event()
+    wire = deaths.Tripwire(w, lambda dead: (fired.append(dead), hit.set()), poll_s=0.005)
+    wire.arm([1, 2])
+    time.sleep(0.05)
+    assert fired == []  # nobody died: the step's body runs undisturbed
+    deaths.record(str(tmp_path), 0, 0)  # not one of the armed members
+    time.sleep(0.05)
+    assert fired == []
+    deaths.record(str(tmp_path), 2, 0)
+    assert hit.wait(2)
+    time.sleep(0.05)
+    assert fired == [{2}]  # once, although the record stays
+    wire.disarm()
+    wire.arm([1])  # the next step's members: 2's death is not theirs
+    time.sleep(0.05)
+    assert fired == [{2}]
+    wire.disarm()
+
+
+def test_a_disarmed_tripwire_never_fires(tmp_path):
+    w = deaths.DeathWatch(str(tmp_path))
+    w.saw({1: 1})
+    fired = []
+    wire = deaths.Tripwire(w, fired.append, poll_s=0.005)
+    wire.arm([1])
+    wire.disarm()  # the step's body ended
+    deaths.record(str(tmp_path), 1, 0)
+    time.sleep(0.1)
+    assert fired == []
+
+
+def test_records_written_in_a_burst_are_all_seen(tmp_path):
+    w = deaths.DeathWatch(str(tmp_path))
+    w.saw({p: 1 for p in range(4)})
+    assert w.dead(range(4)) == set()
+    for p in range(4):  # the reader caches by the directory's stamp: each record must show
+        deaths.record(str(tmp_path), p, 0)
+        assert w.dead(range(4)) == set(range(p + 1))

@@ -39,6 +39,9 @@ def add_parser(sub) -> None:
     c.add_argument("--kill-every", type=float, default=None, help="seconds between kills (instead of --kills)")
     c.add_argument("--admission", choices=("ready", "connect"), default="ready",
                    help="how the jaxft run admits restarted processes")
+    c.add_argument("--precompile", type=int, default=8,
+                   help="the jaxft runs' --precompile (process 0 compiles the member sets one failure "
+                   "away in the background, jaxft.warmup); 0: off")
     c.add_argument("--checkpoint-every", type=int, default=20)
     c.add_argument("--step-sleep", type=float, default=0.1, help="stretch each step by this many seconds")
     c.add_argument("--seed", type=int, default=0)
@@ -74,7 +77,7 @@ def run(args) -> int:
 
         figures = bench_chaos(args.n, args.steps, args.kill_every, args.checkpoint_every, args.step_sleep,
                               args.seed, args.keep_dirs, overhead=not args.no_overhead, kills=args.kills,
-                              admission=args.admission)
+                              admission=args.admission, precompile=args.precompile)
         print(f"{'':12s} {'goodput':>8s} {'steps lost':>10s} {'recovery s':>10s} {'train s':>8s} "
               f"{'max stall s':>11s} {'min width':>9s}")
         for name in ("fault_free", "jaxft", "restart_all"):

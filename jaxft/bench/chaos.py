@@ -44,12 +44,14 @@ def run_figures(events: list[dict], steps: int) -> dict:
 
 def bench_chaos(n: int = 4, steps: int = 300, kill_every: float | None = None, checkpoint_every: int = 20,
                 step_sleep: float = 0.1, seed: int = 0, keep_dirs: str | None = None,
-                overhead: bool = True, kills: int = 5, admission: str = "ready") -> dict:
+                overhead: bool = True, kills: int = 5, admission: str = "ready", precompile: int = 8) -> dict:
     """The same training three ways: fault-free, jaxft with kills, restart-all with kills.
 
     The kills fall every ``kill_every`` seconds of the fault-free run's training time, or,
     by default, ``kills`` of them spread evenly over it. The jaxft run uses ``admission``
-    (``ready``: survivors train on while a restarted process sets up).
+    (``ready``: survivors train on while a restarted process sets up) and ``precompile``
+    (:mod:`jaxft.warmup`); so does the fault-free run, the reference of every goodput. The
+    restart-all run has no use for either.
     """
     import random
 
@@ -68,7 +70,8 @@ def bench_chaos(n: int = 4, steps: int = 300, kill_every: float | None = None, c
             raise SystemExit(f"chaos run {name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
         return read_events(run_dir)
 
-    ff_events = job("fault_free", "on-failure", [], ("--admission", admission))
+    elastic = ("--admission", admission, "--precompile", str(precompile))
+    ff_events = job("fault_free", "on-failure", [], elastic)
     start = min(e["time"] for e in ff_events)
     first_commit = min(e["time"] for e in ff_events if e["event"] == "commit") - start
     last_commit = max(e["time"] for e in ff_events if e["event"] == "commit") - start
@@ -84,14 +87,14 @@ def bench_chaos(n: int = 4, steps: int = 300, kill_every: float | None = None, c
         times = [first_commit + span * (i + 1) / (kills + 1) for i in range(kills)]
     schedule = [f"kill:process={rng.randrange(n)}:after={t:.2f}s" for t in times]
     figures = {"fault_free": run_figures(ff_events, steps)}
-    figures["jaxft"] = run_figures(job("jaxft", "on-failure", schedule, ("--admission", admission)), steps)
+    figures["jaxft"] = run_figures(job("jaxft", "on-failure", schedule, elastic), steps)
     figures["restart_all"] = run_figures(job("restart_all", "all", schedule), steps)
     ff = figures["fault_free"]["train_s"]
     for name in figures:
         figures[name]["goodput"] = round(ff / figures[name]["train_s"], 3)
     figures["schedule"] = schedule
     figures["config"] = {"processes": n, "steps": steps, "kill_every_s": kill_every, "kills": len(schedule),
-                         "admission": admission,
+                         "admission": admission, "precompile": precompile,
                          "checkpoint_every": checkpoint_every, "step_sleep_s": step_sleep, "seed": seed,
                          "run_dirs": base if keep_dirs else None}
     if overhead:

@@ -34,6 +34,8 @@ flags.DEFINE_enum("admission", "connect", ["connect", "ready"],
                   "connect: a restarted process is a member from its first step; ready: it enters "
                   "when admitted (experimental, jaxft.admission)")
 flags.DEFINE_integer("keep", 3, "complete checkpoints to keep (max_to_keep; 0: keep all)")
+flags.DEFINE_integer("precompile", 0, "compile the step for each member set one failure away in the "
+                     "background while there are at most this many members (0: off; see jaxft.warmup)")
 flags.DEFINE_string("final_params", None, "write each process's final params to DIR/final-p<P>.npz "
                     "(for leaf-by-leaf comparisons)")
 
@@ -111,7 +113,8 @@ def main(argv):
                                    micro_batch=FLAGS.micro_batch or None, check_every=FLAGS.check_every,
                                    reduction=FLAGS.reduction,
                                    exact_chunks=FLAGS.exact_chunks if FLAGS.reduction == "exact" else None,
-                                   on_commit=on_commit, group=jaxft.ElasticGroup(admission=FLAGS.admission))
+                                   on_commit=on_commit, group=jaxft.ElasticGroup(admission=FLAGS.admission),
+                                   precompile=FLAGS.precompile)
     if ckpt is not None:
         restored = ckpt.restore(trainer)  # cold restore: every process, independently
         if restored is not None:
