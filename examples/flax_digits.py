@@ -71,7 +71,8 @@ def main(_):
     rt = jaxft.initialize(wait_until_forgotten=FLAGS.admission == "ready")  # before any JAX computation
     import jax
 
-    params = model.init(jax.random.key(FLAGS.seed), train["x"][:1])["params"]
+    # host copies: a jax array kept alive across a rejoin's CPU backend rebuild slows the new one
+    params = jax.tree_util.tree_map(np.array, model.init(jax.random.key(FLAGS.seed), train["x"][:1])["params"])
 
     def loss_fn(params, batch):
         logits = model.apply({"params": params}, batch["x"])

@@ -48,6 +48,7 @@ def main(_):
     rt = jaxft.initialize()  # before any JAX computation
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     class MLP(nn.Module):
         @nn.compact
@@ -61,6 +62,7 @@ def main(_):
     state = train_state.TrainState.create(
         apply_fn=model.apply, params=model.init(jax.random.key(FLAGS.seed), data_arrays["x"][:1])["params"],
         tx=optax.adamw(schedule))
+    state = jax.tree_util.tree_map(np.array, state)  # host copies (see ElasticLoop: no jax arrays kept alive)
 
     def train_step(state, batch, mask):
         """Your step: the padding rows have mask 0; normalise by G, not by the rows present."""

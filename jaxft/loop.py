@@ -148,7 +148,10 @@ class ElasticLoop:
     Args:
       step_fn: ``(state, batch, mask) -> (new_state, metrics)``; jitted here once per member
         set with replicated outputs (an already-jitted function is fine).
-      state: the initial state pytree (every process must pass the same values).
+      state: the initial state pytree (every process must pass the same values). Prefer host
+        copies (``jax.tree_util.tree_map(np.array, state)``) and keep no jax array of it alive
+        in your program: on CPU a rejoin rebuilds the backend, and arrays of the old one that
+        stay referenced slowed every later step (a ``backend_leaked`` event says so).
       data: maps a step to its global batch: ``.batch(step)`` and ``.global_batch``.
       runtime: what :func:`jaxft.initialize` returned (events and fault points).
       make_step: instead of ``step_fn``, ``mesh -> callable`` building the step for a mesh
@@ -211,6 +214,7 @@ class ElasticLoop:
         self._warmer: warmup.Warmer | None = None
         self._warmed_for: tuple[int, ...] | None = None  # the member set the last warm-up was for
         self._precompiled: set[tuple[int, ...]] = set()  # member sets compiled ahead in this life
+        self._leaks_logged = 0
         self._batch_template: PyTree | None = None  # shapes and dtypes of a host global batch
 
     @property
@@ -274,6 +278,13 @@ class ElasticLoop:
         """The warm-up thread compiled the step for ``pids`` (logged as ``precompiled``)."""
         self._precompiled.add(pids)
         self.events.log("precompiled", members=list(pids), seconds=round(seconds, 3))
+
+    def _log_leaks(self) -> None:
+        """A ``backend_leaked`` event for each rebuild whose old CPU backend outlived it
+        (see :meth:`ElasticGroup._check_old_backend`)."""
+        while self._leaks_logged < self.group.leaked_backends:
+            self._leaks_logged += 1
+            self.events.log("backend_leaked", step=self.step)
 
     def _mesh_of(self, pids: tuple[int, ...]) -> Mesh:
         """The 1-D mesh a step over processes ``pids`` runs on (devices sorted by id, as in
@@ -364,6 +375,7 @@ class ElasticLoop:
                     raise RetryBudgetExceeded(f"step {step} failed {failures} times in a row "
                                               f"(max_attempts={self.max_attempts}); last: {self._last_failure}")
         self.group.finish(self.step)
+        self._log_leaks()
         self.log_final()
         return self.state
 
@@ -426,6 +438,7 @@ class ElasticLoop:
             if admitted:
                 self.events.log("admit", step=step + 1, joiners=list(admitted))
         self._warm_up(m)
+        self._log_leaks()
         if self.on_commit is not None:
             self.on_commit(self, record)
         self.faults.point("after-commit", step)

@@ -66,13 +66,13 @@ def assert_bitwise(got: dict, want: dict) -> None:
             k, float(np.max(np.abs(got[k] - want[k]))))
 
 
-def killed_and_restarted(tmp_path, fault: str, n: int, step_sleep: float):
+def killed_and_restarted(tmp_path, fault: str, n: int, step_sleep: float, *worker_flags: str):
     """A ready-admission run of ``n`` processes with ``fault``, restarted on failure; checks
     that all ``n`` finish with identical params and returns (events, description, params dir)."""
     out = tmp_path / "final"
     proc, events = train(tmp_path, MLP, "--steps", str(STEPS), "--admission", "ready", "--step_sleep", str(step_sleep),
-                         *EXACT, "--final_params", str(out), n=n, restart="on-failure", faults=[fault],
-                         extra=["--timeout", "reset=30"])
+                         *EXACT, "--final_params", str(out), *worker_flags, n=n, restart="on-failure",
+                         faults=[fault], extra=["--timeout", "reset=30"])
     why = proc.describe()
     assert proc.returncode == 0, why
     f = finals(events)
@@ -100,6 +100,8 @@ def test_kill_inside_the_all_reduce_of_four_then_rejoin(reference, tmp_path):
     [admitted] = {a["step"] for a in of(events, "admit")}
     assert sorted(e["process"] for e in of(events, "data_plane", step=admitted)) == [0, 1, 2, 3], why
     assert_bitwise(load(out / "final-p1.npz"), reference)  # 4 processes, then 3, then 4: the 3-process bits
+    # The worker hands the trainer host copies: every old CPU backend was freed after its rebuild.
+    assert not of(events, "backend_leaked"), of(events, "backend_leaked")
 
 
 def test_a_kill_during_the_first_step_then_rejoin(reference, tmp_path):
@@ -111,7 +113,8 @@ def test_a_kill_during_the_first_step_then_rejoin(reference, tmp_path):
     # timeout and a second round of restarts (1 of 2 runs). Now the members publish who runs
     # at the step's entry, a would-be cold starter gives up its query when the others start
     # without it, and a smaller answer is always confirmed by one more query.
-    events, why, out = killed_and_restarted(tmp_path, "kill:process=1:step=0:phase=in-step", n=3, step_sleep=0.15)
+    events, why, out = killed_and_restarted(tmp_path, "kill:process=1:step=0:phase=in-step", 3, 0.15,
+                                            "--hold_jax_params")
     by_step = commits_by_step(events)
     assert sorted(by_step) == list(range(STEPS))
     for step, commits in by_step.items():
@@ -127,6 +130,10 @@ def test_a_kill_during_the_first_step_then_rejoin(reference, tmp_path):
     [rehydrated] = of(events, "rehydrated")
     assert rehydrated["process"] == 1 and rehydrated["step"] == entered > 0
     assert_bitwise(load(out / "final-p1.npz"), reference)  # 2 devices, then 3: the 3-device bits
+    # This worker keeps its initial params as jax arrays: the admission's rebuild could not
+    # free the first backend, and every process that rebuilt says so.
+    leaked = of(events, "backend_leaked")
+    assert sorted(e["process"] for e in leaked) == [0, 1, 2], why
 
 
 @pytest.mark.soak  # long: the default suite stays under its time budget

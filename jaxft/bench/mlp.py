@@ -36,6 +36,9 @@ flags.DEFINE_enum("admission", "connect", ["connect", "ready"],
 flags.DEFINE_integer("keep", 3, "complete checkpoints to keep (max_to_keep; 0: keep all)")
 flags.DEFINE_integer("precompile", 0, "compile the step for each member set one failure away in the "
                      "background while there are at most this many members (0: off; see jaxft.warmup)")
+flags.DEFINE_bool("hold_jax_params", False, "keep the initial params as jax arrays for the whole run, as a "
+                  "program that passes them unconverted does (it keeps the first CPU backend alive after a "
+                  "rebuild: the backend_leaked event)")
 flags.DEFINE_string("final_params", None, "write each process's final params to DIR/final-p<P>.npz "
                     "(for leaf-by-leaf comparisons)")
 
@@ -90,7 +93,9 @@ def main(argv):
     import optax
 
     dataset = make_dataset(FLAGS.num_examples)
-    params = jax.tree_util.tree_map(np.asarray, init_params(FLAGS.seed, dataset["x"].shape[1], FLAGS.hidden))
+    params = init_params(FLAGS.seed, dataset["x"].shape[1], FLAGS.hidden)
+    if not FLAGS.hold_jax_params:  # host copies: no array of the first CPU backend outlives its rebuild
+        params = jax.tree_util.tree_map(np.array, params)
     data = jaxft.GlobalBatches(dataset, FLAGS.global_batch, seed=FLAGS.seed)
 
     ckpt = None
