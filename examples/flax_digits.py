@@ -22,6 +22,8 @@ flags.DEFINE_integer("check_every", 20, "verify bitwise-identical params every N
 flags.DEFINE_float("step_sleep", 0.0, "seconds to sleep after each commit (to stretch demos)")
 flags.DEFINE_integer("checkpoint_every", 0, "async Orbax checkpoint every K steps (0: off); restores on start")
 flags.DEFINE_string("checkpoint_dir", None, "checkpoint directory (default: $JAXFT_RUN_DIR/checkpoints)")
+flags.DEFINE_integer("precompile", 0, "compile the step for the member sets one failure away in the "
+                     "background while there are at most this many members (0: off; jaxft.warmup)")
 flags.DEFINE_enum("admission", "connect", ["connect", "ready"],
                   "connect: a restarted process is a member from its first step (the others wait for its "
                   "set-up); ready: the others train on and admit it once it is ready (jaxft.admission)")
@@ -96,7 +98,7 @@ def main(_):
 
     trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params, data, runtime=rt, micro_batch=FLAGS.micro_batch or None,
                                    check_every=FLAGS.check_every, on_commit=on_commit,
-                                   group=jaxft.ElasticGroup(admission=FLAGS.admission))
+                                   group=jaxft.ElasticGroup(admission=FLAGS.admission), precompile=FLAGS.precompile)
     if ckpt is not None and (restored := ckpt.restore(trainer)) is not None:
         print(f"restored step {restored.step} from {restored.path}", flush=True)
     state = trainer.run(FLAGS.steps)

@@ -280,8 +280,8 @@ class ElasticLoop:
         self.events.log("precompiled", members=list(pids), seconds=round(seconds, 3))
 
     def _log_leaks(self) -> None:
-        """A ``backend_leaked`` event for each rebuild whose old CPU backend outlived it
-        (see :meth:`ElasticGroup._check_old_backend`)."""
+        """A ``backend_leaked`` event for each rebuild after which arrays of the old CPU
+        backend stayed alive (see :meth:`ElasticGroup._check_old_backend`)."""
         while self._leaks_logged < self.group.leaked_backends:
             self._leaks_logged += 1
             self.events.log("backend_leaked", step=self.step)

@@ -136,7 +136,7 @@ class ElasticGroup:
         self._post_reset: list[Callable[[], None]] = []
         self._watchdog: _Watchdog | None = None
         self._old_backend: tuple[weakref.ref, float] | None = None  # (the client a rebuild replaced, when)
-        self.leaked_backends = 0  # rebuilds whose old backend was still alive a few seconds later
+        self.leaked_backends = 0  # rebuilds after which arrays of the old backend stayed alive
         self.hang = HangMonitor(self.process_id, self.timeouts, poll_s=poll_s)
 
     # -- hooks ------------------------------------------------------------------------

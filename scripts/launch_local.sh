@@ -5,6 +5,7 @@
 #   scripts/launch_local.sh
 #   N=3 STEPS=80 scripts/launch_local.sh
 #   ADMISSION=connect scripts/launch_local.sh   # restarted processes join at once (the others wait)
+#   PRECOMPILE=8 scripts/launch_local.sh        # process 0 compiles the meshes one failure away ahead
 #
 # Creates .venv on first use. Faults: process 0 is killed mid-step (the others retry the
 # step without it, then it is restarted and rehydrated from a live peer), the last process
@@ -40,6 +41,7 @@ fi
 N=${N:-4}
 STEPS=${STEPS:-50}
 ADMISSION=${ADMISSION:-ready}
+PRECOMPILE=${PRECOMPILE:-0}  # N: process 0 compiles the one-failure meshes ahead (see README)
 RUN_DIR=${RUN_DIR:-runs/launch_local-$(date +%Y%m%d-%H%M%S)}
 LAST=$((N - 1))
 
@@ -49,7 +51,8 @@ set +e
   --fault "kill:process=0:step=$((STEPS / 5))" \
   --fault "kill:process=$LAST:step=$((2 * STEPS / 5)):phase=before-step" \
   --fault "kill-all:step=$((7 * STEPS / 10))" \
-  -- .venv/bin/python examples/flax_digits.py --steps "$STEPS" --checkpoint_every 10 --admission "$ADMISSION"
+  -- .venv/bin/python examples/flax_digits.py --steps "$STEPS" --checkpoint_every 10 --admission "$ADMISSION" \
+     --precompile "$PRECOMPILE"
 code=$?
 set -e
 echo
