@@ -73,7 +73,7 @@ def main(_):
     rt = jaxft.initialize(wait_until_forgotten=FLAGS.admission == "ready")  # before any JAX computation
     import jax
 
-    # host copies: a jax array kept alive across a rejoin's CPU backend rebuild slows the new one
+    # host copies: a jax array kept alive across a rejoin's CPU backend rebuild keeps the old one's memory
     params = jax.tree_util.tree_map(np.array, model.init(jax.random.key(FLAGS.seed), train["x"][:1])["params"])
 
     def loss_fn(params, batch):

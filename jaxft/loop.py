@@ -151,7 +151,7 @@ class ElasticLoop:
       state: the initial state pytree (every process must pass the same values). Prefer host
         copies (``jax.tree_util.tree_map(np.array, state)``) and keep no jax array of it alive
         in your program: on CPU a rejoin rebuilds the backend, and arrays of the old one that
-        stay referenced slowed every later step (a ``backend_leaked`` event says so).
+        stay referenced keep its memory (a ``backend_leaked`` event says so).
       data: maps a step to its global batch: ``.batch(step)`` and ``.global_batch``.
       runtime: what :func:`jaxft.initialize` returned (events and fault points).
       make_step: instead of ``step_fn``, ``mesh -> callable`` building the step for a mesh

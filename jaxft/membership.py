@@ -294,10 +294,9 @@ class ElasticGroup:
         """A few seconds after a rebuild, check once that no array of the old CPU backend lives.
 
         A jax array of it that is still referenced (the initial params the program created,
-        a numpy view made by ``np.asarray`` of one) keeps the old backend's buffers alive,
-        and with them the new backend's steps ran ~15% slower here (four processes, width-4
-        steps 0.160 s instead of 0.140 s for the rest of the run; with host copies 0.140 s).
-        Warn, naming the fix."""
+        a numpy view made by ``np.asarray`` of one) keeps the old backend's buffers alive for
+        nothing, once per rebuild (in one A/B pair of runs the new backend's steps were also
+        slower with it, 0.160 s against 0.140 s; not settled, see README). Warn, naming the fix."""
         old = self._old_backend
         if old is None or time.monotonic() - old[1] < after_s:
             return
@@ -315,7 +314,7 @@ class ElasticGroup:
             self.leaked_backends += 1
             logger.warning("process %d: arrays of the CPU backend replaced %.0f s ago are still alive (%s): "
                            "something holds them (e.g. the initial params, or numpy views of them made by "
-                           "np.asarray), and they slow the new backend's steps; pass host copies (np.array) "
+                           "np.asarray) and with them that backend's memory; pass host copies (np.array) "
                            "to the trainer and keep no jax arrays across steps", self.process_id,
                            time.monotonic() - old[1], ", ".join(held[:12]))
 
