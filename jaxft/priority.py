@@ -4,9 +4,9 @@ While a restarted process imports, connects and builds its model, the survivors 
 without it (ready admission); on a machine whose cores the workers share, its set-up used
 to slow their steps (seen: width-3 steps at 0.16-0.25 s instead of 0.13 s for the 3-6 s a
 joiner took, with four workers on two cores; the gain of the nice value alone was not
-measured). The launcher starts a *restarted* worker
-niced (:func:`lowered_nice`); the worker restores the launcher's priority for every one of
-its threads as it joins the step (:func:`restore`), so it never trains niced.
+measured). The launcher starts a *restarted* worker niced (:func:`lowered_nice`); the
+worker restores the launcher's priority for every one of its threads as it joins the step
+(:func:`restore`), so it never trains niced.
 
 Lowering is only done where it can be undone: the launcher runs as root, or
 ``RLIMIT_NICE`` lets an unprivileged process go back to the launcher's nice value (Linux;

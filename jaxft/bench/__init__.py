@@ -85,7 +85,7 @@ def run(args) -> int:
             print(f"{name:12s} {f['goodput']:8.3f} {f['steps_lost']:10d} {str(f['recovery_s']):>10s} "
                   f"{f['train_s']:8.1f} {f['max_stall_s']:11.2f} {f['min_width']:9d}")
         print(f"{len(figures['schedule'])} kills; checkpoint every {args.checkpoint_every} steps; "
-              f"jaxft admission: {args.admission}")
+              f"jaxft admission: {args.admission}, precompile: {args.precompile}")
         if "overhead_ratio" in figures:
             o = figures["overhead"]
             print(f"per-step overhead of jaxft over a plain JAX loop: {o['ratio']:.3f} "
