@@ -62,6 +62,9 @@ def _add_launch(sub) -> None:
                    help="auto (default: one worker per local GPU when nvidia-smi lists any, else CPU), "
                         "all (GPUs required), none (CPU), or ids like 0,1,2")
     p.add_argument("--grace", type=float, default=5.0, help="SIGTERM -> SIGKILL bound at shutdown, seconds")
+    p.add_argument("--nice-restarts", type=int, default=0, metavar="N",
+                   help="start a restarted worker N nicer and give it its priority back as it joins the step, "
+                   "where that can be undone (root or RLIMIT_NICE); 0 (default): off")
     p.add_argument("--checkpoint-on-stop", action="store_true",
                    help="on Ctrl-C/SIGTERM, workers agree on a step, save a last checkpoint there (with an "
                         "ElasticCheckpointer), then exit; raise --grace to leave time for the write")
@@ -134,7 +137,7 @@ def _launch(args, parser) -> int:
                           node_rank=args.node_rank, coordinator=args.coordinator,
                           host_coordinator=args.host_coordinator, gloo_interface=args.gloo_interface,
                           console="raw" if args.verbose else args.console, progress_every=args.progress_every,
-                          checkpoint_on_stop=args.checkpoint_on_stop)
+                          checkpoint_on_stop=args.checkpoint_on_stop, nice_restarts=args.nice_restarts)
     return Launcher(config).run()
 
 

@@ -42,6 +42,7 @@ class LaunchConfig:
     host_coordinator: bool = False  # this agent hosts the service at --coordinator's port
     gloo_interface: str | None = None  # network interface of the CPU collectives
     checkpoint_on_stop: bool = False  # on SIGINT/SIGTERM workers save a last checkpoint before exiting
+    nice_restarts: int = 0  # a restarted worker sets up this much nicer, until it joins (jaxft.priority)
     console: str = "raw"  # progress: logs per process + progress line (the CLI's default); raw: prefixed stream
     progress_every: float = 10.0  # seconds between plain progress lines when stdout is not a terminal
 

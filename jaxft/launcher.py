@@ -111,7 +111,7 @@ class Launcher:
         worker.incarnation += 1
         env = self._env(worker, address, fault_dir)
         preexec = _set_pdeathsig
-        nice = priority.lowered_nice() if worker.incarnation > 0 else None
+        nice = priority.lowered_nice(self.config.nice_restarts) if worker.incarnation > 0 else None
         if nice is not None:  # a restart sets up niced, and restores this priority as it joins
             env[priority.BASE_NICE] = str(os.getpriority(os.PRIO_PROCESS, 0))
 

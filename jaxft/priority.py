@@ -6,7 +6,9 @@ to slow their steps (seen: width-3 steps at 0.16-0.25 s instead of 0.13 s for th
 joiner took, with four workers on two cores; the gain of the nice value alone was not
 measured). The launcher starts a *restarted* worker niced (:func:`lowered_nice`); the
 worker restores the launcher's priority for every one of its threads as it joins the step
-(:func:`restore`), so it never trains niced.
+(:func:`restore`), so it never trains niced. Off by default (`jaxft launch --nice-restarts N`):
+with it, the test suite ran slower and one connect-admission test failed once, a restarted
+process 0 starved by busy members until the 20-step run had ended without it.
 
 Lowering is only done where it can be undone: the launcher runs as root, or
 ``RLIMIT_NICE`` lets an unprivileged process go back to the launcher's nice value (Linux;
@@ -21,7 +23,7 @@ import os
 logger = logging.getLogger(__name__)
 
 BASE_NICE = "JAXFT_BASE_NICE"  # the nice value a niced restart returns to when it joins
-SETUP_NICE = 10  # how much nicer a restarted worker sets up
+SETUP_NICE = 10  # how much nicer a restarted worker sets up with `jaxft launch --nice-restarts` 10
 
 
 def _can_restore(base: int) -> bool:
@@ -38,15 +40,18 @@ def _can_restore(base: int) -> bool:
     return soft == resource.RLIM_INFINITY or 20 - soft <= base  # the lowest nice allowed is 20 - soft
 
 
-def lowered_nice() -> int | None:
-    """Launcher side: the nice value to start a restarted worker with, or None (not undoable here)."""
+def lowered_nice(amount: int = SETUP_NICE) -> int | None:
+    """Launcher side: the nice value to start a restarted worker with (``amount`` nicer than
+    the launcher), or None (``amount`` 0, or not undoable here)."""
+    if amount <= 0:
+        return None
     try:
         base = os.getpriority(os.PRIO_PROCESS, 0)
     except (AttributeError, OSError):
         return None
     if base >= 19 or not _can_restore(base):
         return None
-    return min(19, base + SETUP_NICE)
+    return min(19, base + amount)
 
 
 def start_niced(nice: int) -> None:

@@ -26,7 +26,7 @@ stop.set()
 
 @pytest.mark.skipif(not hasattr(os, "setpriority") or not os.path.isdir("/proc/self/task"), reason="Linux only")
 def test_a_niced_restart_restores_every_thread_as_it_joins():
-    nice = priority.lowered_nice()
+    nice = priority.lowered_nice(priority.SETUP_NICE)
     if nice is None:
         pytest.skip("this user could not undo a lowered priority (not root, RLIMIT_NICE too small)")
     base = os.getpriority(os.PRIO_PROCESS, 0)
@@ -38,6 +38,10 @@ def test_a_niced_restart_restores_every_thread_as_it_joins():
     assert lines["before"] == f"[{nice}]", r.stdout
     assert lines["restored"] == "True again False", r.stdout  # once: the variable is consumed
     assert lines["after"] == f"[{base}]", r.stdout
+
+
+def test_off_unless_asked():
+    assert priority.lowered_nice(0) is None  # jaxft launch's default: --nice-restarts 0
 
 
 def test_nothing_to_restore_without_the_launchers_variable(monkeypatch):
