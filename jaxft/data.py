@@ -158,14 +158,23 @@ def step_batch(data, step: int, mesh, micro_batch: int | None = None, chunk: int
     return jax.tree_util.tree_map(spread, part)
 
 
+def _placement(global_batch: int, mesh, axis_name: str, micro_batch: int | None, flat: bool,
+               chunk: int | None) -> tuple[Layout, NamedSharding]:
+    """The layout of a ``[G, ...]`` batch on ``mesh`` and the sharding of its ``[M, D*m, ...]``
+    arrangement (``flat``: ``[D*m, ...]``), shared by :func:`shard_batch` and :func:`batch_specs`."""
+    if flat and chunk:
+        raise ValueError("a chunked layout has several micro-batches: it cannot be flat")
+    layout = Layout.of(int(global_batch), mesh.devices.size, None if flat else micro_batch, chunk)
+    return layout, NamedSharding(mesh, P(axis_name) if flat else P(None, axis_name))
+
+
 def batch_specs(template: PyTree, mesh, axis_name: str = "data", micro_batch: int | None = None,
                 flat: bool = False, chunk: int | None = None) -> tuple[PyTree, jax.ShapeDtypeStruct]:
     """What :func:`shard_batch` would return for a global batch shaped like ``template``
     (leaves with ``.shape [G, ...]`` and ``.dtype``), as ``jax.ShapeDtypeStruct`` s: enough to
     compile a step for ``mesh`` ahead of time (:mod:`jaxft.warmup`) without the data."""
-    leaves = jax.tree_util.tree_leaves(template)
-    layout = Layout.of(int(leaves[0].shape[0]), mesh.devices.size, None if flat else micro_batch, chunk)
-    sharding = NamedSharding(mesh, P(axis_name) if flat else P(None, axis_name))
+    layout, sharding = _placement(jax.tree_util.tree_leaves(template)[0].shape[0], mesh, axis_name, micro_batch,
+                                  flat, chunk)
     rows = (layout.num_micro, layout.num_devices * layout.micro_size)
     if flat:
         rows = rows[1:]
@@ -185,12 +194,8 @@ def shard_batch(batch: PyTree, mesh, axis_name: str = "data",
 
     Every process passes the same global batch; each only materialises its own slices.
     """
-    num_devices = mesh.devices.size
-    leaves = jax.tree_util.tree_leaves(batch)
-    if flat and chunk:
-        raise ValueError("a chunked layout has several micro-batches: it cannot be flat")
-    layout = Layout.of(int(np.shape(leaves[0])[0]), num_devices, None if flat else micro_batch, chunk)
-    sharding = NamedSharding(mesh, P(axis_name) if flat else P(None, axis_name))
+    layout, sharding = _placement(np.shape(jax.tree_util.tree_leaves(batch)[0])[0], mesh, axis_name, micro_batch,
+                                  flat, chunk)
 
     def place(arranged: np.ndarray) -> jax.Array:
         if flat:

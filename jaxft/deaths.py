@@ -201,7 +201,6 @@ class Tripwire:
         self._cond = threading.Condition()
         self._armed: tuple[int, ...] | None = None
         self._epoch = 0
-        self.tripped = 0  # how many times the action ran
         if watch.state_dir:
             threading.Thread(target=self._run, daemon=True, name="jaxft-tripwire").start()
 
@@ -226,7 +225,6 @@ class Tripwire:
                 if fire:
                     self._armed = None  # once per arming
             if fire:
-                self.tripped += 1
                 self.action(gone)
             else:
                 time.sleep(self.poll_s)

@@ -263,7 +263,7 @@ class ElasticLoop:
             return
         if self._warmer is None:
             self._warmer = warmup.Warmer(on_done=self._precompiled_one)
-            self.group.on_reset(before=self._warm_pause_enter, after=self._warm_pause_exit)
+            self.group.on_reset(before=self._warm_pause, after=self._warmer.resume)
         self._warmed_for = m.process_ids
         state = jax.tree_util.tree_map(  # leaves are numpy or jax arrays (see canonical)
             lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=bool(getattr(x, "weak_type", False))),
@@ -305,13 +305,10 @@ class ElasticLoop:
                                        if self.group.admission == "ready" else ())
         fn.lower(*args).compile()
 
-    def _warm_pause_enter(self) -> None:
-        self._warm_paused = self._warmer.pause()
-        self._warm_paused.__enter__()
+    def _warm_pause(self) -> None:
+        """Before a backend rebuild: no compile runs across it, and the next commit warms up anew."""
+        self._warmer.pause()
         self._warmed_for = None
-
-    def _warm_pause_exit(self) -> None:
-        self._warm_paused.__exit__(None, None, None)
 
     def _replicated(self, state: PyTree, m: Members) -> PyTree:
         g = self._global

@@ -13,7 +13,7 @@ with the arguments it was lowered for reuses the ahead-of-time compile). Only pr
 does the work: when every member compiled its own candidates, four processes on two cores
 slowed the steps after each change by more than the retries saved (measured, see README).
 
-Safety: the thread never runs while the backend is rebuilt (:meth:`Warmer.pause` holds its
+Safety: the thread never runs while the backend is rebuilt (:meth:`Warmer.pause` takes its
 lock, waiting for at most the compile in progress), and work queued for an older backend is
 dropped. A failed warm-up is only logged: the step compiles as before when it needs to.
 """
@@ -39,7 +39,6 @@ class Warmer:
         self._queue: queue.Queue[tuple[int, object, Job]] = queue.Queue()
         self._epoch = 0  # bumped at every backend rebuild: older jobs are dropped
         self._queued: set[object] = set()
-        self.done: list[tuple[object, float]] = []  # (key, seconds) of each job that ran
         self.on_done = on_done  # called in the worker thread after each job
         threading.Thread(target=self._run, daemon=True, name="jaxft-warmup").start()
 
@@ -50,10 +49,16 @@ class Warmer:
         self._queued.add(key)
         self._queue.put((self._epoch, key, job))
 
-    def pause(self) -> "_Paused":
-        """Context manager for a backend rebuild: waits for the job in progress, drops the
-        queued ones (they were for the old backend)."""
-        return _Paused(self)
+    def pause(self) -> None:
+        """Before a backend rebuild: drop the queued jobs (they were for the old backend), then
+        wait for the job in progress, if any; no job runs until :meth:`resume`."""
+        self._epoch += 1  # first: the worker drops every queued job from now on
+        self._queued.clear()
+        self._lock.acquire()
+
+    def resume(self) -> None:
+        """After the rebuild: jobs submitted from now on run."""
+        self._lock.release()
 
     def _run(self) -> None:
         while True:
@@ -68,25 +73,9 @@ class Warmer:
                     logger.info("background compile of %s failed: %s", key, str(e).splitlines()[0][:200])
                     continue
                 seconds = time.monotonic() - t0
-                self.done.append((key, seconds))
                 logger.info("compiled %s in the background in %.2f s", key, seconds)
                 if self.on_done is not None:
                     self.on_done(key, seconds)
-
-
-class _Paused:
-    def __init__(self, warmer: Warmer):
-        self.warmer = warmer
-
-    def __enter__(self):
-        self.warmer._epoch += 1  # first: the worker drops every queued job from now on
-        self.warmer._queued.clear()
-        self.warmer._lock.acquire()  # then wait for the job in progress, if any
-        return self
-
-    def __exit__(self, *exc):
-        self.warmer._lock.release()
-        return False
 
 
 def shrinks(members: Sequence[int], min_members: int = 1) -> list[tuple[int, ...]]:

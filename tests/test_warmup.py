@@ -81,8 +81,9 @@ def test_a_rebuild_waits_for_the_job_in_progress_and_drops_the_queued_ones():
     paused_at = []
 
     def rebuild():
-        with w.pause():
-            paused_at.append(list(ran))
+        w.pause()
+        paused_at.append(list(ran))
+        w.resume()
 
     t = threading.Thread(target=rebuild)
     t.start()
