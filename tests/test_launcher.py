@@ -168,6 +168,25 @@ def test_worker_recovers_after_one_restart(run_dir):
     assert s["exit_code"] == 0
 
 
+@pytest.mark.parametrize("nice", [0, 10])
+def test_nice_restarts_start_only_restarted_workers_niced(run_dir, nice):
+    from jaxft import priority
+
+    if nice and priority.lowered_nice(nice) is None:
+        pytest.skip("this user could not undo a lowered priority (not root, RLIMIT_NICE too small)")
+    import os
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    code = ("import os, sys; e = os.environ; "
+            "print('inc', e['JAXFT_INCARNATION'], 'nice', os.getpriority(os.PRIO_PROCESS, 0), "
+            "'base', e.get('JAXFT_BASE_NICE')); sys.exit(7 if e['JAXFT_INCARNATION'] == '0' else 0)")
+    r = launch(1, py(code), "--restart", "on-failure", "--nice-restarts", str(nice), run_dir=run_dir, timeout=60)
+    assert r.returncode == 0, r.describe()
+    lines = [l for l in r.stdout.splitlines() if l.startswith("[0] inc")]
+    niced = f"nice {min(19, base + nice)} base {base}" if nice else f"nice {base} base None"
+    assert lines == [f"[0] inc 0 nice {base} base None", f"[0] inc 1 {niced}"], r.describe()
+
+
 def test_restart_all_takes_every_worker_down_and_up(run_dir):
     # process 1 fails once; process 0 would sleep on, but --restart all kills and restarts it
     code = ("import os, sys, time; e = os.environ\n"
