@@ -10,7 +10,7 @@ why it is needed and what would replace it. The supported jax range is pinned in
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from jaxft.errors import InitializeError
 
@@ -247,3 +247,28 @@ def service_rejects_outside_queries() -> bool:
     import jax
 
     return tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 12)
+
+
+# -- compiled programs across backends ----------------------------------------------------------
+
+def serialize_compiled(compiled: Any) -> tuple:
+    """``(bytes, in_tree, out_tree)`` of a ``jax.stages.Compiled``, loadable into a later backend.
+
+    ``jax.experimental.serialize_executable`` (experimental: no stability promise; it reads
+    the executable's private ``_unloaded_executable``). Devices are stored by id, so the bytes
+    load into the backend a CPU rebuild makes, whose devices have the same ids.
+    """
+    from jax.experimental import serialize_executable
+
+    return serialize_executable.serialize(compiled)
+
+
+def load_compiled(blob: tuple, devices: Sequence[Any]) -> Any:
+    """:func:`serialize_compiled`'s bytes loaded into the current backend, to run on ``devices``
+    (the program's device assignment, in its order: a mesh's devices; jax's default, every
+    device of the backend, is wrong for a program over a subset of them)."""
+    import jax
+    from jax.experimental import serialize_executable
+
+    return serialize_executable.deserialize_and_load(*blob, backend=jax.devices()[0].client,
+                                                     execution_devices=list(devices))

@@ -142,14 +142,10 @@ class Joiner:
 
     def running_members(self, settle_s: float) -> list[int] | None:
         """The member list of a running job, or None when no member heartbeats (cold start)."""
+        latest = self._latest_members()
+        if latest is None:
+            return None
         c = kv.client()
-        try:
-            entries = c.key_value_dir_get(f"{MEMBERS_KEY}/")
-        except Exception:  # noqa: BLE001
-            return None
-        if not entries:
-            return None
-        latest = max((json.loads(v) for _, v in entries), key=lambda r: r["time"])
         key = kv.Heartbeat.key(latest["beat"])
         first = _try_get(c, key)
         deadline = time.monotonic() + settle_s
@@ -159,15 +155,33 @@ class Joiner:
                 return list(latest["pids"])
         return None
 
-    def announce(self) -> None:
-        kv.client().key_value_set(f"{READY_PREFIX}{self.process_id}/{self.nonce}", "1", allow_overwrite=True)
+    def _latest_members(self) -> dict | None:
+        """The newest member list the members published (with the publisher's heartbeat)."""
+        try:
+            entries = kv.client().key_value_dir_get(f"{MEMBERS_KEY}/")
+        except Exception:  # noqa: BLE001
+            return None
+        if not entries:
+            return None
+        return max((json.loads(v) for _, v in entries), key=lambda r: r["time"])
 
-    def wait_admitted(self) -> tuple[list[int], float]:
+    def announce(self) -> None:
+        kv.client().key_value_set(self._ready_key, "1", allow_overwrite=True)
+
+    @property
+    def _ready_key(self) -> str:
+        return f"{READY_PREFIX}{self.process_id}/{self.nonce}"
+
+    def wait_admitted(self, members_gone_s: float | None = None) -> tuple[list[int], float] | None:
         """Block until the members admit this process; returns the barrier's process ids and
-        when they were admitting it (all of them alive then)."""
+        when they were admitting it (all of them alive then). None if the members stopped
+        meanwhile: no published member list heartbeat moved for ``members_gone_s`` (they all
+        died; then this process withdraws its announcement and starts cold with the others'
+        restarts, rather than wait for an admission that cannot come)."""
         c = kv.client()
         key = f"{ADMIT_PREFIX}{self.process_id}/{self.nonce}"
         t0 = time.monotonic()
+        beat, beat_value, beat_since = None, None, time.monotonic()
         while True:
             try:
                 value = c.blocking_key_value_get(key, int(self.poll_s * 1000))
@@ -177,6 +191,18 @@ class Joiner:
             except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED: not yet
                 if "DEADLINE" not in str(e) and "timed out" not in str(e).lower():
                     raise
+            if members_gone_s is not None:
+                latest = self._latest_members()
+                now_beat = latest["beat"] if latest else None
+                value = _try_get(c, kv.Heartbeat.key(now_beat)) if now_beat else None
+                if (now_beat, value) != (beat, beat_value):
+                    beat, beat_value, beat_since = now_beat, value, time.monotonic()
+                elif time.monotonic() - beat_since > members_gone_s:
+                    try:
+                        c.key_value_delete(self._ready_key)
+                    except Exception:  # noqa: BLE001 - best effort
+                        pass
+                    return None
             if time.monotonic() - t0 > self.timeouts.admission:
                 raise BarrierTimeout(f"process {self.process_id} was not admitted within "
                                      f"{self.timeouts.describe('admission')}")

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxft import executables as executables_lib
 from jaxft import rejoin, stopping, transfer, warmup
 from jaxft.data import batch_specs, shard_batch, step_batch
 from jaxft.errors import ConsistencyError, RetryBudgetExceeded, StepFailed, TooFewMembers
@@ -78,6 +79,12 @@ def _votes_array(votes: np.ndarray, mesh: Mesh, axis_name: str) -> jax.Array:
     n = mesh.devices.size
     rows = np.broadcast_to(votes, (n, votes.size))
     return jax.make_array_from_callback((n, votes.size), NamedSharding(mesh, P(axis_name)), lambda i: rows[i])
+
+
+def _shapes(tree: PyTree) -> PyTree:
+    """``tree``'s leaves (numpy or jax arrays, see :func:`canonical`) as ShapeDtypeStructs."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=bool(getattr(x, "weak_type", False))), tree)
 
 
 class _Skip(Exception):
@@ -209,7 +216,9 @@ class ElasticLoop:
         self._compiled: dict[tuple[int, ...], Callable] = {}
         # The last step's replicated outputs, reused while the members and the state stay the same.
         self._global: tuple | None = None  # (device ids, ids of the local leaves, global state)
-        self.group.on_reset(before=self._state_to_host, after=self._compiled.clear)
+        self.executables = executables_lib.Executables(executables_lib.shared_dir())
+        self.group.on_reset(before=self._state_to_host, after=self._after_reset)
+        self.group.before_admission(self._prepare_admission)
         self.precompile = precompile
         self._warmer: warmup.Warmer | None = None
         self._warmed_for: tuple[int, ...] | None = None  # the member set the last warm-up was for
@@ -234,8 +243,21 @@ class ElasticLoop:
         """Continue from ``(step, state)`` (e.g. a checkpoint) instead of the initial state."""
         self.step, self.state, self._global = int(step), canonical(state), None
 
+    def _after_reset(self) -> None:
+        self._compiled.clear()
+        self.executables.reset()
+
     def _fn(self, m: Members) -> Callable:
         return self._fn_for(m.mesh)
+
+    def _call(self, mesh: Mesh, fn: Callable, args: tuple) -> Any:
+        """``fn(*args)`` through :mod:`jaxft.executables` (no tracing after a rebuild, programs
+        compiled by process 0 loaded instead of traced); plain call for a step without ``lower``."""
+        if not hasattr(fn, "lower"):
+            return fn(*args)
+        devices = list(mesh.devices.flat)
+        compiler = self.group.process_id == min(d.process_index for d in devices)  # the others wait for it
+        return self.executables.call(tuple(d.id for d in devices), fn, args, compiler)
 
     def _fn_for(self, mesh: Mesh) -> Callable:
         """The jitted step for ``mesh`` (one per device set; the background warm-up uses it too)."""
@@ -265,19 +287,39 @@ class ElasticLoop:
             self._warmer = warmup.Warmer(on_done=self._precompiled_one)
             self.group.on_reset(before=self._warm_pause, after=self._warmer.resume)
         self._warmed_for = m.process_ids
-        state = jax.tree_util.tree_map(  # leaves are numpy or jax arrays (see canonical)
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=bool(getattr(x, "weak_type", False))),
-            self.state)
+        state = _shapes(self.state)
         template = self._batch_template
         for pids in warmup.shrinks(m.process_ids, self.min_members):
             if pids in self._precompiled:  # on disk already: after a rebuild it loads from there
                 continue
             self._warmer.submit(pids, lambda pids=pids: self._compile_for(self._mesh_of(pids), state, template))
+        everyone = tuple(range(jax.process_count()))
+        if m.process_ids != everyone and ("rehydrate", everyone) not in self._precompiled:
+            # someone is missing: the rejoin's transfer, from the donor it will have (the lowest member)
+            nbytes = transfer.tree_nbytes({"step": np.int64(0), "state": self.state})
+            self._warmer.submit(("rehydrate", everyone), lambda: transfer.compile_broadcast(
+                nbytes, min(m.process_ids), self._mesh_of(everyone), self.group.axis_name))
 
-    def _precompiled_one(self, pids: tuple[int, ...], seconds: float) -> None:
-        """The warm-up thread compiled the step for ``pids`` (logged as ``precompiled``)."""
-        self._precompiled.add(pids)
-        self.events.log("precompiled", members=list(pids), seconds=round(seconds, 3))
+    def _prepare_admission(self, pids: tuple[int, ...]) -> None:
+        """A joiner, before it says it is ready: the step for the members it will enter, so that
+        the admission step loads it (:mod:`jaxft.executables`) instead of tracing it."""
+        t0 = time.monotonic()
+        mesh = self._mesh_of(pids)
+        if self._batch_template is None:
+            host = step_batch(self.data, self.step, mesh, self.micro_batch if self.stacked else None, self.chunk)
+            self._batch_template = _shapes(host)
+        self._compile_for(mesh, _shapes(self.state), self._batch_template)
+        logger.info("process %d compiled the step for %s before admission in %.2f s", self.group.process_id,
+                    list(pids), time.monotonic() - t0)
+
+    def _precompiled_one(self, key: tuple, seconds: float) -> None:
+        """The warm-up thread compiled the step for the member set ``key`` (or, for
+        ``("rehydrate", members)``, a rejoin's transfer); logged as ``precompiled``."""
+        self._precompiled.add(key)
+        if key and key[0] == "rehydrate":
+            self.events.log("precompiled", program="rehydrate", members=list(key[1]), seconds=round(seconds, 3))
+        else:
+            self.events.log("precompiled", program="step", members=list(key), seconds=round(seconds, 3))
 
     def _log_leaks(self) -> None:
         """A ``backend_leaked`` event for each rebuild after which arrays of the old CPU
@@ -303,7 +345,8 @@ class ElasticLoop:
                                   chunk=self.chunk)
         args = (state, batch, mask) + ((_votes_spec(mesh, self.group.axis_name),)
                                        if self.group.admission == "ready" else ())
-        fn.lower(*args).compile()
+        if hasattr(fn, "lower"):
+            self.executables.get((tuple(d.id for d in mesh.devices.flat), executables_lib.signature(args)), fn, args)
 
     def _warm_pause(self) -> None:
         """Before a backend rebuild: no compile runs across it, and the next commit warms up anew."""
@@ -328,7 +371,7 @@ class ElasticLoop:
         micro = self.micro_batch if self.stacked else None
         host = step_batch(self.data, step, m.mesh, micro, self.chunk)
         if self._batch_template is None:
-            self._batch_template = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), host)
+            self._batch_template = _shapes(host)
         return shard_batch(host, m.mesh, self.group.axis_name, micro, flat=not self.stacked, chunk=self.chunk)
 
     # -- the loop -----------------------------------------------------------------------
@@ -396,10 +439,10 @@ class ElasticLoop:
                 t_program = time.monotonic()
                 if self.group.admission == "ready":  # admission votes ride in the step's own program
                     votes = _votes_array(self.group.votes(m), m.mesh, self.group.axis_name)
-                    new_global, metrics, agreed = fn(self._replicated(state, m), batch, mask, votes)
+                    new_global, metrics, agreed = self._call(m.mesh, fn, (self._replicated(state, m), batch, mask, votes))
                     agreed = np.asarray(agreed.addressable_data(0))
                 else:
-                    new_global, metrics = fn(self._replicated(state, m), batch, mask)
+                    new_global, metrics = self._call(m.mesh, fn, (self._replicated(state, m), batch, mask))
                 jax.block_until_ready((new_global, metrics))
                 t_program = time.monotonic() - t_program
                 self.faults.point("after-grad", step)
@@ -428,7 +471,8 @@ class ElasticLoop:
         self.events.log("commit", step=step, members=list(m.process_ids), generation=generation,
                         loss=scalars.get("loss"))
         if m.reset:  # where a recovery's time goes: the rebuild, then the program (compiled or loaded)
-            self.events.log("data_plane", step=step, program_s=round(t_program, 4), **self.group.last_reset)
+            self.events.log("data_plane", step=step, program_s=round(t_program, 4), **self.group.last_reset,
+                            programs_loaded=self.executables.loads, programs_compiled=self.executables.compiles)
         target = self.group.target
         if agreed is not None and (target is None or step + 1 < target):  # no admission after the last step
             admitted = self.group.admit(m, agreed)

@@ -134,6 +134,7 @@ class ElasticGroup:
         self._meshes: dict[tuple[int, ...], Mesh] = {}
         self._pre_reset: list[Callable[[], None]] = []
         self._post_reset: list[Callable[[], None]] = []
+        self._before_announce: list[Callable[[tuple[int, ...]], None]] = []
         self._watchdog: _Watchdog | None = None
         self._old_backend: tuple[weakref.ref, float] | None = None  # (the client a rebuild replaced, when)
         self.leaked_backends = 0  # rebuilds after which arrays of the old backend stayed alive
@@ -148,6 +149,12 @@ class ElasticGroup:
             self._pre_reset.append(before)
         if after is not None:
             self._post_reset.append(after)
+
+    def before_admission(self, hook: Callable[[tuple[int, ...]], None]) -> None:
+        """Register ``hook(process_ids)``, run by a joiner (ready admission) with the member set it
+        expects to enter, before it tells the members it is ready: set-up done there (compiling
+        the step for that set) costs the members nothing."""
+        self._before_announce.append(hook)
 
     def busy(self):
         """Context manager: legitimately long work between steps, exempt from the step deadline
@@ -389,10 +396,22 @@ class ElasticGroup:
                 raise BarrierTimeout(f"process {self.process_id}: the running members still list its "
                                      f"previous life after {self.timeouts.describe('admission')}")
             time.sleep(0.2)
+        expected = tuple(sorted(set(running) | {self.process_id}))
+        with self.hang.busy():  # a compile may take a while; nobody waits for this process yet
+            for hook in self._before_announce:
+                try:
+                    hook(expected)
+                except Exception:  # noqa: BLE001 - an optimisation: the step does it then
+                    logger.exception("process %d: set-up before admission failed", self.process_id)
         joiner.announce()
         t0 = time.monotonic()
         with self._watch("waiting to be admitted"):  # exits 0 if the run finishes meanwhile
-            pids, alive_at = joiner.wait_admitted()
+            admitted = joiner.wait_admitted(members_gone_s=self.timeouts.heartbeat + 2.0)
+        if admitted is None:  # every member died meanwhile: start with the others' restarts
+            logger.warning("process %d: the members stopped while it waited to be admitted; starting cold",
+                           self.process_id)
+            return everyone, time.time(), True
+        pids, alive_at = admitted
         logger.info("process %d admitted after %.2f s with %s", self.process_id, time.monotonic() - t0, pids)
         return pids, alive_at, False
 

@@ -117,6 +117,21 @@ def _chunk_len(nbytes: int, chunk: int) -> int:
     return min(chunk, max(4096, 1 << (nbytes - 1).bit_length()))
 
 
+def compile_broadcast(nbytes: int, donor: int, mesh: Mesh, axis_name: str = "data",
+                      chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    """Compile, without running, the programs :func:`broadcast_tree` of ``nbytes`` from
+    ``donor`` over ``mesh`` will run (at most two chunk lengths), e.g. ahead of a rejoin, so
+    that the transfer finds them in jax's caches (the persistent one included)."""
+    devices = list(mesh.devices.flat)
+    source = next(i for i, d in enumerate(devices) if d.process_index == donor)
+    send = _broadcaster(mesh, axis_name, source)
+    sharding = NamedSharding(mesh, P(axis_name))
+    chunk = max(1, int(chunk_bytes))
+    lengths = {_chunk_len(min(chunk, nbytes), chunk), _chunk_len(nbytes % chunk or chunk, chunk)}
+    for length in sorted(lengths):
+        send.lower(jax.ShapeDtypeStruct((len(devices), length), np.dtype(np.uint8), sharding=sharding)).compile()
+
+
 def broadcast_tree(tree: PyTree, donor: int, mesh: Mesh, axis_name: str = "data",
                    chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> PyTree:
     """Every process gets process ``donor``'s ``tree`` (same structure, shapes, dtypes).

@@ -279,3 +279,29 @@ def test_cpu_cache_entries_serve_every_process(tmp_path):
     assert first[1]["step_hits"] == 0, runs
     assert second[0]["step_hits"] == 1 and second[1]["step_hits"] == 1, moved(
         f"a CPU executable cached by process 0 is not loaded by process 1 ({runs})")
+
+
+SERIALIZED = r'''
+import jax, numpy as np
+import jax.extend.backend as jax_backend
+from jaxft import _compat
+f = jax.jit(lambda x, y: (x @ y).sum(0))
+x, y = np.arange(12.0, dtype=np.float32).reshape(3, 4), np.ones((4, 2), np.float32)
+compiled = f.lower(x, y).compile()
+before = np.asarray(compiled(x, y))
+blob = _compat.serialize_compiled(compiled)
+client = jax.devices()[0].client
+jax_backend.clear_backends()
+loaded = _compat.load_compiled(blob, jax.devices()[:1])
+assert jax.devices()[0].client is not client, "the backend was not rebuilt"
+print("same", np.array_equal(np.asarray(loaded(x, y)), before))
+'''
+
+
+def test_a_serialized_executable_loads_into_a_rebuilt_backend():
+    # jaxft.executables keeps step programs as bytes across the CPU backend rebuild of a rejoin
+    _get("jax.experimental.serialize_executable:serialize")
+    _get("jax.experimental.serialize_executable:deserialize_and_load")
+    r = run_python(SERIALIZED, timeout=120)
+    assert r.returncode == 0, moved(f"a serialized executable no longer loads into a new backend: {r.describe()}")
+    assert "same True" in r.stdout, moved(r.describe())

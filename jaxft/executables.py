@@ -1,0 +1,276 @@
+"""Compiled step programs that outlive a CPU backend rebuild, shared by a run's processes.
+
+On CPU every rejoin rebuilds the backend (see :mod:`jaxft.membership`), and a rebuild
+empties jax's in-memory caches: each member then traced and lowered its step again before
+the persistent cache could serve the executable, 0.3-0.4 s of the admission step's ~1.1 s
+with four processes on two cores (measured, see README). Survivors retrying on a smaller
+mesh paid the same to reach an executable process 0 had compiled ahead (:mod:`jaxft.warmup`).
+
+:class:`Executables` compiles each step program ahead of time (``lower(...).compile()``,
+what ``jax.jit`` does on a first call) and keeps it twice: loaded, for the current backend,
+and serialized (``jax.experimental.serialize_executable``), keyed by the mesh's device ids
+and the arguments' shapes and dtypes. After a rebuild the bytes load into the new backend
+in ~15 ms, without tracing. With a directory, process 0's programs are also written there,
+and another process with the same *fingerprint* (a hash of its own first lowered program:
+same code, same arguments) loads them instead of tracing, so survivors of a failure reach
+the smaller mesh's executable without tracing either.
+
+Loading is an optimisation only: any failure to serialize, write, read or load is logged
+and the program is compiled as before. Programs are loaded only from the run's own
+directory, written by its own processes (a serialized executable can run arbitrary code).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import socket
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+
+from jaxft import _compat
+
+logger = logging.getLogger(__name__)
+
+Key = tuple  # (mesh device ids, argument signature)
+
+
+def signature(args: Sequence[Any]) -> tuple:
+    """The arguments' tree structure and per-leaf ``(shape, dtype, weak_type)``: what decides
+    whether a compiled program accepts them (shardings follow from the mesh and the layout)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tuple(args))
+    return (str(treedef),) + tuple((tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)))
+                                   for x in leaves)
+
+
+class Executables:
+    """One process's step programs, by mesh and argument signature.
+
+    ``directory``: where the run's processes share the programs they compile (None: this
+    process only). A program nobody has yet is compiled by one process (the caller says which:
+    ``compiler``), the others wait for its file rather than compiling the same program at the
+    same time on the same cores; without a sign of that compile within ``appear_s`` (another
+    host with its own directory, a compiler that is not coming), or once ``wait_s`` passed,
+    they compile it themselves.
+    """
+
+    def __init__(self, directory: str | None = None, appear_s: float = 0.5, wait_s: float = 60.0) -> None:
+        self.directory = directory
+        self.appear_s = appear_s
+        self.wait_s = wait_s
+        self._lock = threading.Lock()  # the warm-up thread adds programs too
+        self._loaded: dict[Key, Any] = {}  # for the current backend
+        self._blobs: dict[Key, tuple] = {}  # serialized: (bytes, in_tree, out_tree)
+        self._busy: dict[Key, threading.Event] = {}  # being compiled by a thread of this process
+        self._fingerprint: str | None = None
+        self.loads = 0  # programs loaded from bytes (this process's or shared) instead of compiled
+        self.compiles = 0
+
+    def reset(self) -> None:
+        """The backend was rebuilt: loaded programs belong to the old one; the bytes stay."""
+        with self._lock:
+            self._loaded.clear()
+
+    def call(self, mesh_ids: tuple[int, ...], fn: Callable, args: Sequence[Any], compiler: bool = True) -> Any:
+        """Run ``fn(*args)`` (``fn`` jitted) through its compiled program for this mesh."""
+        key = (mesh_ids, signature(args))
+        exe = self._loaded.get(key)
+        if exe is None:
+            exe = self.get(key, fn, args, compiler)
+        return exe(*args)
+
+    def get(self, key: Key, fn: Callable, args: Sequence[Any], compiler: bool = True) -> Any:
+        """The loaded program for ``key``: from memory, from bytes (this process's or shared), or
+        compiled now. The lock guards the tables only; a thread wanting a program another thread
+        of this process is compiling waits for that compile."""
+        while True:
+            exe = self._loaded.get(key)
+            if exe is not None:
+                return exe
+            with self._lock:
+                exe = self._load(key)
+                if exe is not None:
+                    self._loaded[key] = exe
+                    return exe
+                busy = self._busy.get(key)
+                if busy is None:
+                    self._busy[key] = threading.Event()
+                    break
+            busy.wait()  # then look again: loaded, or that compile failed and this thread tries
+        try:
+            if not compiler:
+                exe = self._await_shared(key)
+            if exe is None:
+                exe = self._compile(key, fn, args)
+            with self._lock:
+                self._keep(key, exe)
+                exe = self._loaded.setdefault(key, exe)
+        finally:
+            with self._lock:
+                self._busy.pop(key).set()
+        return exe
+
+    def _compile(self, key: Key, fn: Callable, args: Sequence[Any]) -> Any:
+        marker = self._mark(key)  # first, so that the others wait for this compile from its start
+        try:
+            lowered = fn.lower(*args)
+            if self._fingerprint is None:  # this process's first program: now it can read shared ones
+                self._fingerprint = hashlib.sha256(lowered.as_text().encode()).hexdigest()[:16]
+                with self._lock:
+                    exe = self._load(key)
+                if exe is not None:
+                    return exe
+                marker = self._mark(key)
+            exe = lowered.compile()
+            self.compiles += 1
+            if marker is not None:
+                with self._lock:
+                    self._keep(key, exe)  # the file first, then the marker goes
+            return exe
+        finally:
+            if marker is not None:
+                with _suppress():
+                    os.unlink(marker)
+
+    def _mark(self, key: Key) -> str | None:
+        """Say in the directory that this process compiles ``key`` (None: not sharing)."""
+        if not self._sharing:
+            return None
+        marker = self._path(key) + ".compiling"
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            with open(marker, "x") as f:
+                f.write(f"{socket.gethostname()} {os.getpid()}")
+        except OSError:  # another process compiles it too (or the directory is read-only)
+            return None
+        return marker
+
+    @property
+    def _sharing(self) -> bool:
+        return self.directory is not None and self._fingerprint is not None
+
+    def _await_shared(self, key: Key) -> Any:
+        """Wait for another process's compile of ``key`` to land in the directory; None if none
+        shows up within ``appear_s``, its compiler is gone, or ``wait_s`` passed."""
+        if not self._sharing:
+            return None
+        path = self._path(key)
+        marker = path + ".compiling"
+        start = time.monotonic()
+        seen = False
+        while True:
+            if os.path.exists(path):
+                with self._lock:
+                    return self._load(key)
+            owner = _read_text(marker)
+            seen = seen or owner is not None
+            waited = time.monotonic() - start
+            if (not seen and waited > self.appear_s) or waited > self.wait_s or (owner and _gone(owner)):
+                return None
+            if seen and owner is None and not os.path.exists(path):
+                return None  # the compile ended without a file (it failed, or could not be shared)
+            time.sleep(0.01)
+
+    # -- bytes ----------------------------------------------------------------------------
+    def _keep(self, key: Key, compiled: Any) -> None:
+        if key in self._blobs:
+            return
+        try:
+            blob = _compat.serialize_compiled(compiled)
+        except Exception as e:  # noqa: BLE001 - e.g. a program with constants: compile after rebuilds
+            logger.debug("step program for %s not serializable: %s", key[0], e)
+            return
+        self._blobs[key] = blob
+        if self._sharing:
+            self._write(key, blob)
+
+    def _load(self, key: Key) -> Any:
+        blob = self._blobs.get(key)
+        if blob is None and self._sharing:
+            blob = self._read(key)
+        if blob is None:
+            return None
+        try:
+            by_id = {d.id: d for d in jax.devices()}
+            exe = _compat.load_compiled(blob, [by_id[i] for i in key[0]])
+        except Exception as e:  # noqa: BLE001 - compile instead
+            logger.warning("could not load the step program for devices %s (%s); compiling it", key[0], e)
+            self._blobs.pop(key, None)
+            return None
+        self._blobs[key] = blob
+        self.loads += 1
+        return exe
+
+    def _path(self, key: Key) -> str:
+        name = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+        return os.path.join(self.directory, f"step-{self._fingerprint}-{name}.pkl")
+
+    def _write(self, key: Key, blob: tuple) -> None:
+        path = self._path(key)
+        if os.path.exists(path):
+            return
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump((repr(key), blob), f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(tmp, path)  # readers never see half a file
+        except Exception as e:  # noqa: BLE001 - e.g. a tree node that does not pickle
+            logger.debug("could not share the step program for %s: %s", key[0], e)
+            with _suppress():
+                os.unlink(tmp)
+
+    def _read(self, key: Key) -> tuple | None:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                stored_key, blob = pickle.load(f)
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001 - a damaged file: compile instead
+            logger.warning("unreadable shared step program %s (%s); compiling it", path, e)
+            return None
+        return blob if stored_key == repr(key) else None
+
+
+def shared_dir() -> str | None:
+    """Where a run's processes share step programs: beside jax's persistent compilation cache
+    (``jaxft.initialize`` puts that under the run directory), or None without one."""
+    cache = jax.config.jax_compilation_cache_dir
+    return os.path.join(cache, "jaxft-steps") if cache else None
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _gone(owner: str) -> bool:
+    """Whether the process a marker names (``host pid``) is known to be dead (on this host)."""
+    host, _, pid = owner.partition(" ")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+class _suppress:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return True

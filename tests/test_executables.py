@@ -1,0 +1,113 @@
+"""jaxft.executables: a step program outlives a backend rebuild (no tracing, no compile after
+it, same bits), a run's processes share the programs they compile only with a process of
+the same code, and a waiter's bounds. Real processes; one process with 4 CPU devices stands
+for the members (the rebuild is jax's own clear_backends)."""
+
+import os
+import socket
+import threading
+import time
+
+from helpers import PYTHON, clean_env, run
+from jaxft import executables
+
+# argv: shared directory, "first" mesh width, "then" mesh width, loss variant.
+# Prints the number of jax compile/trace log lines of each phase and the programs' counters.
+SCRIPT = r'''
+import hashlib, logging, sys, types
+import jax, numpy as np, optax
+import jax.extend.backend as jax_backend
+from jax.sharding import Mesh
+import jaxft
+from jaxft import executables
+from jaxft.bench import mlp
+from jaxft.loop import _votes_array
+
+directory, first, then, variant = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+logs = []
+class Count(logging.Handler):
+    def emit(self, record):
+        m = record.getMessage().lower()
+        if "compiling" in m or "tracing" in m:
+            logs.append(m[:60])
+logging.getLogger("jax").addHandler(Count())
+logging.getLogger("jax").setLevel(logging.DEBUG)
+jax.config.update("jax_log_compiles", True)
+
+loss = mlp.loss_fn if variant == "same" else (lambda p, b: 2.0 * mlp.loss_fn(p, b))
+data = jaxft.GlobalBatches(mlp.make_dataset(512), 96, seed=0)
+params = jax.tree_util.tree_map(np.asarray, mlp.init_params(0, 16, 32))
+loop = jaxft.ElasticTrainer(loss, optax.adam(1e-2), params, data,
+                            group=jaxft.ElasticGroup(admission="ready")).loop
+loop.executables = executables.Executables(directory if directory != "-" else None)
+
+def step(width):
+    mesh = Mesh(np.array(jax.devices()[:width]), ("data",))
+    m = types.SimpleNamespace(devices=tuple(mesh.devices.flat), mesh=mesh, process_ids=(0,))
+    batch, mask = loop._batch(0, m)
+    args = (loop._replicated(loop.state, m), batch, mask, _votes_array(np.zeros(1, np.int32), mesh, "data"))
+    logs.clear()
+    out = loop._call(mesh, loop._fn_for(mesh), args)
+    digest = hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(out[0]))).hexdigest()
+    return len(logs), digest[:16]
+
+n, a = step(first)
+print("first", n, a)
+n, b = step(then)
+print("then", n, b)
+jax_backend.clear_backends()  # what a rejoin does on CPU
+loop._after_reset()
+n, c = step(then)
+print("rebuilt", n, c, c == b)
+print("counters", loop.executables.loads, loop.executables.compiles)
+'''
+
+
+def _run(*argv):
+    env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    r = run([PYTHON, "-c", SCRIPT, *map(str, argv)], env=env, timeout=240)
+    assert r.returncode == 0, r.describe()
+    return {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines()
+            if line.split()[:1] in (["first"], ["then"], ["rebuilt"], ["counters"])}
+
+
+def test_a_program_outlives_a_backend_rebuild():
+    got = _run("-", 4, 3, "same")
+    assert got["then"][0] != "0", got  # the log shows tracing and compiling when there is work
+    assert got["rebuilt"][0] == "0", got  # after the rebuild: loaded, neither traced nor compiled
+    assert got["rebuilt"][2] == "True", got  # bit for bit what the compiled program gave before
+    assert got["counters"] == ["1", "2"], got
+
+
+def test_programs_are_shared_only_between_processes_of_the_same_code(tmp_path):
+    shared = tmp_path / "programs"
+    first = _run(shared, 4, 3, "same")  # compiles widths 4 and 3, writes both (loads 3 after the rebuild)
+    assert first["counters"] == ["1", "2"], first
+    assert len([p for p in os.listdir(shared) if p.endswith(".pkl")]) == 2
+    again = _run(shared, 4, 3, "same")  # same code: its first program gives the fingerprint, the rest loads
+    # widths 4 and 3 from the files (4 once traced for the fingerprint), 3 from memory after the rebuild
+    assert again["counters"] == ["3", "0"], again
+    assert again["then"][1] == first["then"][1], (again, first)
+    other = _run(shared, 4, 3, "other")  # another loss: another fingerprint, nothing of the first loaded
+    assert other["counters"] == ["1", "2"], other
+
+
+def test_a_waiter_gives_up_without_a_compiler_and_waits_for_one(tmp_path):
+    store = executables.Executables(str(tmp_path), appear_s=0.3, wait_s=5.0)
+    store._fingerprint = "f" * 16
+    key = ((0, 1), ("sig",))
+    t0 = time.monotonic()
+    assert store._await_shared(key) is None  # nobody compiles it: back after appear_s
+    assert 0.3 <= time.monotonic() - t0 < 2.0
+    marker = store._path(key) + ".compiling"
+    with open(marker, "w") as f:
+        f.write(f"{socket.gethostname()} 999999999")  # a compiler that is gone
+    t0 = time.monotonic()
+    assert store._await_shared(key) is None
+    assert time.monotonic() - t0 < 1.0
+    with open(marker, "w") as f:
+        f.write(f"{socket.gethostname()} {os.getpid()}")  # a live one that ends without a file
+    threading.Timer(0.5, os.unlink, [marker]).start()
+    t0 = time.monotonic()
+    assert store._await_shared(key) is None
+    assert 0.4 <= time.monotonic() - t0 < 2.0
