@@ -272,3 +272,34 @@ def load_compiled(blob: tuple, devices: Sequence[Any]) -> Any:
 
     return serialize_executable.deserialize_and_load(*blob, backend=jax.devices()[0].client,
                                                      execution_devices=list(devices))
+
+
+_compile_hits = None  # a threading.local counting this thread's persistent-cache hits
+
+
+def compile_fresh(lowered: Any) -> tuple[Any, bool]:
+    """``lowered.compile()``, and whether the executable was compiled now rather than loaded from
+    jax's persistent compilation cache.
+
+    jaxft serializes only what was compiled now: a CPU executable loaded from the persistent
+    cache and serialized again loses its kernels (measured on jax 0.10.2: the reloaded program
+    fails with ``NOT_FOUND: Function ..._fusion not found``). The hit is seen through jax's
+    monitoring event ``/jax/compilation_cache/cache_hits`` (public listener API, event name not
+    documented), counted per thread because the warm-up thread compiles too.
+    """
+    global _compile_hits
+    import threading
+
+    import jax
+
+    if _compile_hits is None:
+        _compile_hits = threading.local()
+
+        def on_event(name: str, **_: Any) -> None:
+            if name == "/jax/compilation_cache/cache_hits":
+                _compile_hits.n = getattr(_compile_hits, "n", 0) + 1
+
+        jax.monitoring.register_event_listener(on_event)
+    before = getattr(_compile_hits, "n", 0)
+    compiled = lowered.compile()
+    return compiled, getattr(_compile_hits, "n", 0) == before

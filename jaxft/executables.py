@@ -106,17 +106,22 @@ class Executables:
         try:
             if not compiler:
                 exe = self._await_shared(key)
+            fresh = False  # loaded from a shared file: its bytes are kept already
             if exe is None:
-                exe = self._compile(key, fn, args)
+                exe, fresh = self._compile(key, fn, args)
             with self._lock:
-                self._keep(key, exe)
+                if fresh:
+                    self._keep(key, exe)
                 exe = self._loaded.setdefault(key, exe)
         finally:
             with self._lock:
                 self._busy.pop(key).set()
         return exe
 
-    def _compile(self, key: Key, fn: Callable, args: Sequence[Any]) -> Any:
+    def _compile(self, key: Key, fn: Callable, args: Sequence[Any]) -> tuple[Any, bool]:
+        """Compile ``key``'s program; returns it and whether its bytes may be kept (not when jax
+        loaded it from its persistent cache: serialized again, such a CPU program loses its
+        kernels, see :func:`jaxft._compat.compile_fresh`)."""
         marker = self._mark(key)  # first, so that the others wait for this compile from its start
         try:
             lowered = fn.lower(*args)
@@ -125,14 +130,14 @@ class Executables:
                 with self._lock:
                     exe = self._load(key)
                 if exe is not None:
-                    return exe
+                    return exe, False  # its bytes are kept already
                 marker = self._mark(key)
-            exe = lowered.compile()
+            exe, fresh = _compat.compile_fresh(lowered)
             self.compiles += 1
-            if marker is not None:
+            if marker is not None and fresh:
                 with self._lock:
                     self._keep(key, exe)  # the file first, then the marker goes
-            return exe
+            return exe, fresh
         finally:
             if marker is not None:
                 with _suppress():

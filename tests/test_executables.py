@@ -63,8 +63,8 @@ print("counters", loop.executables.loads, loop.executables.compiles)
 '''
 
 
-def _run(*argv):
-    env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+def _run(*argv, **env_vars):
+    env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=4", **env_vars)
     r = run([PYTHON, "-c", SCRIPT, *map(str, argv)], env=env, timeout=240)
     assert r.returncode == 0, r.describe()
     return {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines()
@@ -77,6 +77,19 @@ def test_a_program_outlives_a_backend_rebuild():
     assert got["rebuilt"][0] == "0", got  # after the rebuild: loaded, neither traced nor compiled
     assert got["rebuilt"][2] == "True", got  # bit for bit what the compiled program gave before
     assert got["counters"] == ["1", "2"], got
+
+
+def test_programs_loaded_from_the_persistent_cache_are_not_kept(tmp_path):
+    # Serialized again, a CPU program jax loaded from its persistent cache loses its kernels
+    # ("NOT_FOUND: Function ..._fusion not found" when run): only fresh compiles are kept.
+    cache = dict(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    cold = _run("-", 4, 3, "same", **cache)
+    assert cold["counters"] == ["1", "2"], cold
+    warm = _run("-", 4, 3, "same", **cache)  # every compile is a cache hit now
+    assert warm["rebuilt"][2] == "True", warm  # it ran after the rebuild, with the same bits
+    assert warm["counters"] == ["0", "3"], warm  # nothing kept: compiled (from the cache) again
+    assert warm["then"][1] == cold["then"][1], (warm, cold)
 
 
 def test_programs_are_shared_only_between_processes_of_the_same_code(tmp_path):

@@ -305,3 +305,25 @@ def test_a_serialized_executable_loads_into_a_rebuilt_backend():
     r = run_python(SERIALIZED, timeout=120)
     assert r.returncode == 0, moved(f"a serialized executable no longer loads into a new backend: {r.describe()}")
     assert "same True" in r.stdout, moved(r.describe())
+
+
+CACHE_HIT = r'''
+import sys, jax, numpy as np
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+from jaxft import _compat
+_, fresh = _compat.compile_fresh(jax.jit(lambda x: (x * 3.0).sum()).lower(np.ones(7, np.float32)))
+print("fresh", fresh)
+'''
+
+
+def test_a_persistent_cache_hit_is_seen(tmp_path):
+    # jaxft.executables keeps only freshly compiled programs (a cache-loaded CPU program
+    # serialized again loses its kernels); the hit is seen through jax's monitoring event
+    got = []
+    for _ in range(2):
+        r = run_python(CACHE_HIT, str(tmp_path / "cache"), timeout=120)
+        assert r.returncode == 0, r.describe()
+        got.append(r.stdout.split()[-1])
+    assert got == ["True", "False"], moved(f"the persistent cache's hit event is not seen ({got})")
