@@ -11,7 +11,9 @@ A fault spec is ``ACTION:key=value:...``:
   at that point, for ``for`` seconds or until killed: a stuck read or a deadlock.
 * phase ``in-step``: inside the atomic step, right before this process launches the step's
   program: a kill there leaves the other members waiting in the step's all-reduce.
-* phases ``during-rehydrate`` (the members agreed who is behind and who donates; the state
+* phases ``before-save`` (checkpoint ``step`` is due and this process has not begun it:
+  a kill there leaves the others in the save's blocking barriers) and ``during-save``
+  (its async save has started); ``during-rehydrate`` (the members agreed who is behind and who donates; the state
   has not moved yet: fires in the donor, the joiners and bystanders, with the step the
   process holds) and ``during-restore`` (a cold restore read the checkpoint, nothing
   adopted yet; ``step`` is the checkpoint's).
@@ -34,7 +36,8 @@ from jaxft import envvars
 from jaxft.errors import FaultSpecError
 
 ACTIONS = ("kill", "kill-all", "stop", "hang")
-PHASES = ("before-step", "in-step", "after-grad", "after-commit", "during-save", "during-rehydrate", "during-restore")
+PHASES = ("before-step", "in-step", "after-grad", "after-commit", "before-save", "during-save", "during-rehydrate",
+          "during-restore")
 DEFAULT_PHASE = "after-grad"
 
 

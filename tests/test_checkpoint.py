@@ -500,8 +500,27 @@ print(json.dumps({
                       and "self.reached_preemption(step)" in inspect.getsource(ocp.CheckpointManager.save)
                       and adapter.LiveSetCheckpointManager.reached_preemption(None, 1) is False),
   "checkpointer_close": checkpointer_close,
+  # 6. the blocking phase's barriers come from get_barrier_sync_fn, looked up at each call
+  "blocking_barrier": ("get_barrier_sync_fn(" in inspect.getsource(multihost.sync_global_processes)
+                       and "multihost.sync_global_processes(" in inspect.getsource(ocp.CheckpointManager.save)),
   "kv_client": all(hasattr(_jax.DistributedRuntimeClient, m) for m in
                    ("key_value_dir_get", "key_value_try_get", "key_value_delete", "key_value_set")),
 }))
 """)
     assert not [k for k, v in out.items() if not v], out
+
+
+def test_a_death_before_a_save_abandons_it_without_waiting_out_the_barrier(tmp_path):
+    # Process 2 dies as checkpoint 10 is due, before it begins it: the others are in the save's
+    # blocking barriers (Orbax's save_start), which waited for it until Timeouts.save_barrier.
+    # The launcher's death record cancels the save at once; training goes on and ends agreed.
+    run_dir = tmp_path / "run"
+    proc, ev = launch(run_dir, "--steps", "20", "--checkpoint_every", str(EVERY), "--checkpoint_dir",
+                      str(tmp_path / "ckpt"), n=3, faults=["kill:process=2:step=10:phase=before-save"])
+    assert proc.returncode == 0, _tail(proc)
+    (fault,) = helpers.by_event(ev, "fault", process=2, phase="before-save")
+    for p in (0, 1):
+        (abandoned,) = helpers.by_event(ev, "checkpoint_abandoned", process=p, step=10)
+        assert abandoned["phase"] == "blocking", abandoned
+        assert "died before arriving" in abandoned["reason"], abandoned  # cancelled, not timed out
+    assert len(set(_final_shas(ev))) == 1 and len(_final_shas(ev)) == 3, _final_shas(ev)

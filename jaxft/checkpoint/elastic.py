@@ -146,6 +146,8 @@ class ElasticCheckpointer:
             meta["data"] = dict(meta["data"], position=step * meta["data"]["global_batch"])
         meta["rng"] = "parameters and data order derive from the seeds above and the step"
         meta["members"] = list(record.members)
+        if self.faults is not None:  # the others start this save's blocking phase without this process
+            self.faults.point("before-save", step)
         with loop.group.busy():  # its barriers wait for every member: not a hang (jaxft.hang)
             save = self.store.save(step, loop.state, members=record.members,
                                    incarnations=incs, metadata=meta)

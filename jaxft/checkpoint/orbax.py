@@ -59,16 +59,26 @@ Internals that remain, and why (no public equivalent in 0.12.8)
 5. **``CheckpointManager._checkpointer.close()``** in :func:`close_quietly`, only when
    ``close()`` itself raised (a failed save re-raises there): the checkpointer's threads
    must still be released. Replace with a ``close()`` that does not re-raise.
+6. **The blocking phase's barrier function.** ``CheckpointManager.save`` syncs its blocking
+   phase (``save_start``, ``old_steps_to_remove``, ...) with ``sync_global_processes``,
+   which takes its barrier from the private module function
+   ``_src.multihost.multihost.get_barrier_sync_fn`` (``wait_at_barrier``: a member that
+   died there held the others for the whole bound, 60 s in a chaos run).
+   :func:`blocking_barriers` makes it return the save's :class:`SaveBarrier` for the
+   calling thread, so that a death there abandons the save at once. Replace with a
+   ``barrier_sync_fn`` field of ``MultiprocessingOptions``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
 import shutil
-from typing import Any, Callable, Mapping, Sequence
+import threading
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -176,6 +186,30 @@ def set_barrier_timeout(seconds: float) -> None:
 def barrier_timeout() -> int:
     """The bound Orbax's blocking barriers use now (seconds)."""
     return int(_ocp_multihost.coordination_timeout())
+
+
+_blocking = threading.local()  # the SaveBarrier of the save in its blocking phase, per thread
+
+
+@contextlib.contextmanager
+def blocking_barriers(barrier: "SaveBarrier") -> Iterator[None]:
+    """While inside, Orbax's blocking barriers over ``barrier``'s processes in this thread
+    go through ``barrier`` (item 6 of the module docstring)."""
+    original = _ocp_multihost.get_barrier_sync_fn
+    if not getattr(original, "_jaxft", False):
+        def get_barrier_sync_fn(*, processes=None):
+            current = getattr(_blocking, "barrier", None)
+            if current is not None and processes is not None and set(processes) == set(current.processes):
+                return current
+            return original(processes=processes)
+
+        get_barrier_sync_fn._jaxft = True  # type: ignore[attr-defined]
+        _ocp_multihost.get_barrier_sync_fn = get_barrier_sync_fn
+    _blocking.barrier = barrier
+    try:
+        yield
+    finally:
+        _blocking.barrier = None
 
 
 # -- 3. per-life awaitable-signal keys --------------------------------------------------------

@@ -21,18 +21,19 @@ Events: ``checkpoint_started``, ``checkpoint_saved``, ``checkpoint_abandoned``,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
 
-from jaxft import kv
+from jaxft import deaths, kv
 from jaxft import timeouts as timeouts_lib
 from jaxft.checkpoint import orbax
 from jaxft.checkpoint.layout import (FORMAT, _unflatten_like, check_metadata, flatten_state, state_checksum,
@@ -208,6 +209,8 @@ class CheckpointStore:
         orbax.private_signal_keys()
         self._current: _Save | None = None
         self._detached: list[_Save] = []
+        self._tripwire: deaths.Tripwire | None = None  # cancels a save in its blocking phase on a recorded death
+        self._tripwire_cancel = threading.Event()
 
     def step_path(self, step: int) -> str:
         return os.path.join(self.directory, str(int(step)))
@@ -282,7 +285,8 @@ class CheckpointStore:
             mgr, barrier = self._manager(members, prefix, cancel, before_commit)
             # Orbax refuses zero-size arrays: they live in the layout (dtype, shape) only.
             item = {"step": named_step, "leaves": {n: a for n, a in named.items() if a.size}}
-            mgr.save(step, args=orbax.save_args(item), custom_metadata=meta, force=True)
+            with self._deaths_cancel(cancel, members, incarnations), orbax.blocking_barriers(barrier):
+                mgr.save(step, args=orbax.save_args(item), custom_metadata=meta, force=True)
         except Exception as e:  # noqa: BLE001 - a failed save must not stop training
             cancel.set()
             checksum_done.set()
@@ -303,6 +307,31 @@ class CheckpointStore:
         save.start()
         self._current = save
         return save
+
+    @contextlib.contextmanager
+    def _deaths_cancel(self, cancel: threading.Event, members: Sequence[int],
+                       incarnations: Mapping[int, int] | None) -> Iterator[None]:
+        """While inside (the blocking phase), ``cancel`` is set the moment the launcher records a
+        member's death (:mod:`jaxft.deaths`): the blocking barriers give up on it at once
+        instead of after ``Timeouts.save_barrier``. Without records (another node, a host
+        death), or without the incarnations to know the lives, nothing changes."""
+        others = [p for p in members if p != self.process_id]
+        if not others or not incarnations:
+            yield
+            return
+        if self._tripwire is None:
+            watch = deaths.DeathWatch()
+            if not watch.state_dir:
+                yield
+                return
+            self._tripwire = deaths.Tripwire(watch, lambda dead: self._tripwire_cancel.set())
+        self._tripwire.watch.saw(incarnations)
+        self._tripwire_cancel = cancel
+        self._tripwire.arm(others)
+        try:
+            yield
+        finally:
+            self._tripwire.disarm()
 
     def notice_members(self, members: Sequence[int], incarnations: Mapping[int, int] | None = None) -> None:
         """Abandon in-flight saves that wait for a process no longer alive (call at each commit)."""
