@@ -106,6 +106,9 @@ class ElasticGroup:
         self._published: tuple[int, ...] | None = None
         self._deaths: deaths_lib.DeathWatch | None = None
         self._tripwire: deaths_lib.Tripwire | None = None
+        self._reset_tripwire: deaths_lib.Tripwire | None = None  # cancels the rebuild's barriers on a death
+        self._reset_cancel = threading.Event()
+        self._last_reset_ns: str | None = None
         self.axis_name = axis_name
         self.timeouts = (timeouts or timeouts_lib.current()).replace(barrier=barrier_timeout_s)
         self.barrier_timeout_s = self.timeouts.barrier
@@ -282,6 +285,23 @@ class ElasticGroup:
         self._agreed = dict(members.incarnations)
         self._committed = exit_
         self._check_old_backend()
+
+    @contextlib.contextmanager
+    def _deaths_cancel(self, cancel: threading.Event, members: Sequence[int]) -> Iterator[None]:
+        """While inside, ``cancel`` is set the moment the launcher records one of ``members`` dead
+        (:class:`jaxft.deaths.Tripwire`; nothing without records or a DeathWatch)."""
+        others = [p for p in members if p != self.process_id]
+        if self._deaths is None or not self._deaths.state_dir or not others:
+            yield
+            return
+        if self._reset_tripwire is None:
+            self._reset_tripwire = deaths_lib.Tripwire(self._deaths, lambda dead: self._reset_cancel.set())
+        self._reset_cancel = cancel
+        self._reset_tripwire.arm(others)
+        try:
+            yield
+        finally:
+            self._reset_tripwire.disarm()
 
     def _tripwire_for(self, entry: Mapping[int, int]) -> deaths_lib.Tripwire | None:
         """The step body's tripwire: a member recorded dead breaks this process's CPU data
@@ -505,25 +525,37 @@ class ElasticGroup:
         attempt = self._reset_attempts.get(digest, 0)
         self._reset_attempts[digest] = attempt + 1
         members = sorted(current)
+        namespace = f"jaxft/reset/{digest}-{attempt}"
         if self.process_id == members[0]:
             # process 0 rewrites the global topology when it rebuilds
             _compat.delete_stale_cpu_keys(kv.client(), topology=0 in current)
+            if self._last_reset_ns is not None:  # every member passed it before this reset began
+                kv.delete_dir(self._last_reset_ns)
+        self._last_reset_ns = namespace
+        # Two barriers that give up on a member the launcher records dead (or whose heartbeat
+        # stops): before the rebuild, and after it, right before the first collective of the new
+        # backend. A member that dies after the second one is met by gloo's rendezvous of that
+        # collective, which waits 30 s for its key (gloo's own bound; see README).
+        cancel = threading.Event()
+        barrier = kv.KVBarrier(namespace, members, self.process_id, cancel, timeouts=self.timeouts, what="reset",
+                               dead_after="save_dead_after", unknown_after="reset", timeout_name="reset")
         t0 = time.monotonic()
-        kv.wait_at_barrier(f"jaxft_reset_{digest}_{attempt}", members, self.timeouts, "reset",
-                           "rebuilding the CPU data plane for new members")
-        t1 = time.monotonic()
-        for hook in self._pre_reset:
-            hook()
-        self._meshes.clear()
-        self._used.clear()
-        self._suspect.clear()
-        self._old_backend = (weakref.ref(jax.devices()[0].client), time.monotonic())
-        jax_backend.clear_backends()
-        jax.devices()  # rebuild now, inside the step
-        t2 = time.monotonic()
-        for hook in self._post_reset:
-            hook()
-        self._synced = dict(current)
+        with self._deaths_cancel(cancel, members):
+            barrier(key="rebuild", timeout_ms=int(self.timeouts.reset * 1000))
+            t1 = time.monotonic()
+            for hook in self._pre_reset:
+                hook()
+            self._meshes.clear()
+            self._used.clear()
+            self._suspect.clear()
+            self._old_backend = (weakref.ref(jax.devices()[0].client), time.monotonic())
+            jax_backend.clear_backends()
+            jax.devices()  # rebuild now, inside the step
+            t2 = time.monotonic()
+            for hook in self._post_reset:
+                hook()
+            self._synced = dict(current)
+            barrier(key="rebuilt", timeout_ms=int(self.timeouts.reset * 1000))
         self.last_reset = {"barrier_s": round(t1 - t0, 4), "backend_s": round(t2 - t1, 4),
                            "state_s": round(time.monotonic() - t2, 4)}
         logger.info("process %d rebuilt the CPU data plane for %s: %s", self.process_id, members, self.last_reset)
