@@ -42,11 +42,10 @@ Key = tuple  # (mesh device ids, argument signature)
 
 
 def signature(args: Sequence[Any]) -> tuple:
-    """The arguments' tree structure and per-leaf ``(shape, dtype, weak_type)``: what decides
-    whether a compiled program accepts them (shardings follow from the mesh and the layout)."""
+    """The arguments' tree structure and per-leaf ``(shape, dtype)``: what a compiled program
+    checks its arguments against (shardings follow from the mesh and the layout)."""
     leaves, treedef = jax.tree_util.tree_flatten(tuple(args))
-    return (str(treedef),) + tuple((tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)))
-                                   for x in leaves)
+    return (str(treedef),) + tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
 
 
 class Executables:
@@ -66,6 +65,7 @@ class Executables:
         self.wait_s = wait_s
         self._lock = threading.Lock()  # the warm-up thread adds programs too
         self._loaded: dict[Key, Any] = {}  # for the current backend
+        self._last: dict[tuple[int, ...], Any] = {}  # the program the last call on each mesh ran
         self._blobs: dict[Key, tuple] = {}  # serialized: (bytes, in_tree, out_tree)
         self._busy: dict[Key, threading.Event] = {}  # being compiled by a thread of this process
         self._fingerprint: str | None = None
@@ -76,13 +76,25 @@ class Executables:
         """The backend was rebuilt: loaded programs belong to the old one; the bytes stay."""
         with self._lock:
             self._loaded.clear()
+            self._last.clear()
 
     def call(self, mesh_ids: tuple[int, ...], fn: Callable, args: Sequence[Any], compiler: bool = True) -> Any:
-        """Run ``fn(*args)`` (``fn`` jitted) through its compiled program for this mesh."""
+        """Run ``fn(*args)`` (``fn`` jitted) through its compiled program for this mesh.
+
+        The program the last call on this mesh ran is tried first: a compiled program checks
+        its arguments' tree, shapes and dtypes before it runs (``TypeError``), so the
+        signature is computed only when they changed (~10 us per leaf in Python, measured)."""
+        exe = self._last.get(mesh_ids)
+        if exe is not None:
+            try:
+                return exe(*args)
+            except TypeError:  # other arguments than the last call's: find their program
+                pass
         key = (mesh_ids, signature(args))
         exe = self._loaded.get(key)
         if exe is None:
             exe = self.get(key, fn, args, compiler)
+        self._last[mesh_ids] = exe
         return exe(*args)
 
     def get(self, key: Key, fn: Callable, args: Sequence[Any], compiler: bool = True) -> Any:
