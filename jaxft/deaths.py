@@ -24,10 +24,11 @@ nodes, and host deaths, still fall back to the heartbeat.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
 import time
-from typing import Any, Callable, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 from jaxft import envvars
 
@@ -228,6 +229,27 @@ class Tripwire:
                 self.action(gone)
             else:
                 time.sleep(self.poll_s)
+
+
+class Canceller:
+    """Sets the event of the wait in progress the moment the launcher records one of its
+    processes dead: what makes a key-value barrier (:class:`jaxft.kv.KVBarrier`) give up at
+    once instead of at its timeout. One :class:`Tripwire` thread, armed per wait."""
+
+    def __init__(self, watch: DeathWatch):
+        self.watch = watch
+        self._event = threading.Event()
+        self._tripwire = Tripwire(watch, lambda dead: self._event.set())
+
+    @contextlib.contextmanager
+    def during(self, event: threading.Event, pids: Sequence[int]) -> Iterator[None]:
+        """While inside, ``event`` is set if one of ``pids`` is recorded dead."""
+        self._event = event
+        self._tripwire.arm(pids)
+        try:
+            yield
+        finally:
+            self._tripwire.disarm()
 
 
 def _ask(query: Callable[[list[int]], Mapping[Any, Any]], pids: Sequence[int]) -> concurrent.futures.Future:

@@ -106,8 +106,7 @@ class ElasticGroup:
         self._published: tuple[int, ...] | None = None
         self._deaths: deaths_lib.DeathWatch | None = None
         self._tripwire: deaths_lib.Tripwire | None = None
-        self._reset_tripwire: deaths_lib.Tripwire | None = None  # cancels the rebuild's barriers on a death
-        self._reset_cancel = threading.Event()
+        self._reset_canceller: deaths_lib.Canceller | None = None  # cancels the rebuild's barriers on a death
         self._last_reset_ns: str | None = None
         self.axis_name = axis_name
         self.timeouts = (timeouts or timeouts_lib.current()).replace(barrier=barrier_timeout_s)
@@ -289,19 +288,15 @@ class ElasticGroup:
     @contextlib.contextmanager
     def _deaths_cancel(self, cancel: threading.Event, members: Sequence[int]) -> Iterator[None]:
         """While inside, ``cancel`` is set the moment the launcher records one of ``members`` dead
-        (:class:`jaxft.deaths.Tripwire`; nothing without records or a DeathWatch)."""
+        (:class:`jaxft.deaths.Canceller`; nothing without records or a DeathWatch)."""
         others = [p for p in members if p != self.process_id]
         if self._deaths is None or not self._deaths.state_dir or not others:
             yield
             return
-        if self._reset_tripwire is None:
-            self._reset_tripwire = deaths_lib.Tripwire(self._deaths, lambda dead: self._reset_cancel.set())
-        self._reset_cancel = cancel
-        self._reset_tripwire.arm(others)
-        try:
+        if self._reset_canceller is None:
+            self._reset_canceller = deaths_lib.Canceller(self._deaths)
+        with self._reset_canceller.during(cancel, others):
             yield
-        finally:
-            self._reset_tripwire.disarm()
 
     def _tripwire_for(self, entry: Mapping[int, int]) -> deaths_lib.Tripwire | None:
         """The step body's tripwire: a member recorded dead breaks this process's CPU data

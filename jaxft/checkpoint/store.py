@@ -209,8 +209,7 @@ class CheckpointStore:
         orbax.private_signal_keys()
         self._current: _Save | None = None
         self._detached: list[_Save] = []
-        self._tripwire: deaths.Tripwire | None = None  # cancels a save in its blocking phase on a recorded death
-        self._tripwire_cancel = threading.Event()
+        self._canceller: deaths.Canceller | None = None  # cancels a save in its blocking phase on a recorded death
 
     def step_path(self, step: int) -> str:
         return os.path.join(self.directory, str(int(step)))
@@ -319,19 +318,15 @@ class CheckpointStore:
         if not others or not incarnations:
             yield
             return
-        if self._tripwire is None:
+        if self._canceller is None:
             watch = deaths.DeathWatch()
             if not watch.state_dir:
                 yield
                 return
-            self._tripwire = deaths.Tripwire(watch, lambda dead: self._tripwire_cancel.set())
-        self._tripwire.watch.saw(incarnations)
-        self._tripwire_cancel = cancel
-        self._tripwire.arm(others)
-        try:
+            self._canceller = deaths.Canceller(watch)
+        self._canceller.watch.saw(incarnations)
+        with self._canceller.during(cancel, others):
             yield
-        finally:
-            self._tripwire.disarm()
 
     def notice_members(self, members: Sequence[int], incarnations: Mapping[int, int] | None = None) -> None:
         """Abandon in-flight saves that wait for a process no longer alive (call at each commit)."""
