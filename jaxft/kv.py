@@ -30,24 +30,6 @@ def client() -> Any:
     return _compat.distributed_client()
 
 
-def wait_at_barrier(barrier_id: str, process_ids: Sequence[int], timeouts: Timeouts, timeout_name: str,
-                    what: str) -> None:
-    """A coordination-service barrier over ``process_ids``, bounded by ``timeouts.<timeout_name>``.
-
-    Raises :class:`~jaxft.errors.BarrierTimeout` naming the setting when it runs out.
-    """
-    seconds = getattr(timeouts, timeout_name)
-    try:
-        client().wait_at_barrier(barrier_id, max(1, int(seconds * 1000)), list(process_ids))
-    except Exception as e:  # the client raises XlaRuntimeError DEADLINE_EXCEEDED with a long text
-        text = str(e)
-        if "DEADLINE_EXCEEDED" in text or "timed out" in text.lower():
-            first = text.strip().splitlines()[0][:300] if text.strip() else ""
-            raise BarrierTimeout(f"{what}: processes {sorted(process_ids)} did not all reach barrier {barrier_id} "
-                                 f"within {timeouts.describe(timeout_name)}; {first}") from e
-        raise
-
-
 # -- the run-finished flag ---------------------------------------------------------------------
 
 ANY_STEP = "*"
