@@ -11,9 +11,12 @@ what ``jax.jit`` does on a first call) and keeps it twice: loaded, for the curre
 and serialized (``jax.experimental.serialize_executable``), keyed by the mesh's device ids
 and the arguments' shapes and dtypes. After a rebuild the bytes load into the new backend
 in ~15 ms, without tracing. With a directory, process 0's programs are also written there,
-and another process with the same *fingerprint* (a hash of its own first lowered program:
-same code, same arguments) loads them instead of tracing, so survivors of a failure reach
-the smaller mesh's executable without tracing either.
+and another process with the same *fingerprint* (a hash of a reference program every process
+lowers alike, the step on every process's devices: same code, same arguments) loads them
+instead of tracing, so survivors of a failure reach the smaller mesh's executable without
+tracing either. (The hash of a process's own first program would not do: a joiner's first
+program is for the mesh it joins, and then it could read none of the others' programs;
+seen as 0.7 s admission steps where the joiner compiled what process 0 had compiled ahead.)
 
 Loading is an optimisation only: any failure to serialize, write, read or load is logged
 and the program is compiled as before. Programs are loaded only from the run's own
@@ -41,11 +44,21 @@ logger = logging.getLogger(__name__)
 Key = tuple  # (mesh device ids, argument signature)
 
 
+def mesh_ids(mesh: Any) -> tuple[int, ...]:
+    """The ids of ``mesh``'s devices, in mesh order: what names a mesh in every table here."""
+    return tuple(d.id for d in mesh.devices.flat)
+
+
 def signature(args: Sequence[Any]) -> tuple:
     """The arguments' tree structure and per-leaf ``(shape, dtype)``: what a compiled program
     checks its arguments against (shardings follow from the mesh and the layout)."""
     leaves, treedef = jax.tree_util.tree_flatten(tuple(args))
     return (str(treedef),) + tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+
+
+def key(mesh_ids: tuple[int, ...], args: Sequence[Any]) -> Key:
+    """The program ``args`` need on the mesh of ``mesh_ids`` (see :class:`Executables`)."""
+    return (tuple(mesh_ids), signature(args))
 
 
 class Executables:
@@ -59,8 +72,10 @@ class Executables:
     they compile it themselves.
     """
 
-    def __init__(self, directory: str | None = None, appear_s: float = 0.5, wait_s: float = 60.0) -> None:
+    def __init__(self, directory: str | None = None, appear_s: float = 0.5, wait_s: float = 60.0,
+                 reference: Callable[[], str] | None = None) -> None:
         self.directory = directory
+        self.reference = reference  # the text the fingerprint hashes (None: this process's first program)
         self.appear_s = appear_s
         self.wait_s = wait_s
         self._lock = threading.Lock()  # the warm-up thread adds programs too
@@ -90,10 +105,10 @@ class Executables:
                 return exe(*args)
             except TypeError:  # other arguments than the last call's: find their program
                 pass
-        key = (mesh_ids, signature(args))
-        exe = self._loaded.get(key)
+        k = key(mesh_ids, args)
+        exe = self._loaded.get(k)
         if exe is None:
-            exe = self.get(key, fn, args, compiler)
+            exe = self.get(k, fn, args, compiler)
         self._last[mesh_ids] = exe
         return exe(*args)
 
@@ -101,6 +116,8 @@ class Executables:
         """The loaded program for ``key``: from memory, from bytes (this process's or shared), or
         compiled now. The lock guards the tables only; a thread wanting a program another thread
         of this process is compiling waits for that compile."""
+        if self._fingerprint is None and self.reference is not None and self.directory is not None:
+            self._take_fingerprint(None)
         while True:
             exe = self._loaded.get(key)
             if exe is not None:
@@ -118,42 +135,53 @@ class Executables:
         try:
             if not compiler:
                 exe = self._await_shared(key)
-            fresh = False  # loaded from a shared file: its bytes are kept already
             if exe is None:
-                exe, fresh = self._compile(key, fn, args)
+                exe = self._compile(key, fn, args)
             with self._lock:
-                if fresh:
-                    self._keep(key, exe)
                 exe = self._loaded.setdefault(key, exe)
         finally:
             with self._lock:
                 self._busy.pop(key).set()
         return exe
 
-    def _compile(self, key: Key, fn: Callable, args: Sequence[Any]) -> tuple[Any, bool]:
-        """Compile ``key``'s program; returns it and whether its bytes may be kept (not when jax
-        loaded it from its persistent cache: serialized again, such a CPU program loses its
-        kernels, see :func:`jaxft._compat.compile_fresh`)."""
+    def _compile(self, key: Key, fn: Callable, args: Sequence[Any]) -> Any:
+        """Compile ``key``'s program and keep its bytes, unless jax loaded it from its persistent
+        cache (serialized again, such a CPU program loses its kernels, see
+        :func:`jaxft._compat.compile_fresh`)."""
         marker = self._mark(key)  # first, so that the others wait for this compile from its start
         try:
             lowered = fn.lower(*args)
-            if self._fingerprint is None:  # this process's first program: now it can read shared ones
-                self._fingerprint = hashlib.sha256(lowered.as_text().encode()).hexdigest()[:16]
+            if self._fingerprint is None and self.directory is not None:  # now it can read shared ones
+                self._take_fingerprint(lowered)
                 with self._lock:
                     exe = self._load(key)
                 if exe is not None:
-                    return exe, False  # its bytes are kept already
+                    return exe  # its bytes are kept already
                 marker = self._mark(key)
             exe, fresh = _compat.compile_fresh(lowered)
             self.compiles += 1
-            if marker is not None and fresh:
+            if fresh:
                 with self._lock:
                     self._keep(key, exe)  # the file first, then the marker goes
-            return exe, fresh
+            return exe
         finally:
             if marker is not None:
                 with _suppress():
                     os.unlink(marker)
+
+    def _take_fingerprint(self, lowered: Any) -> None:
+        """Name this process's shared programs: the hash of ``reference()`` (or, without one or
+        if it fails, of ``lowered``, this process's first program)."""
+        text = None
+        if self.reference is not None:
+            try:
+                text = self.reference()
+            except Exception as e:  # noqa: BLE001 - fall back to this process's own first program
+                logger.debug("no reference program for the shared step programs: %s", e)
+        if text is None and lowered is not None:
+            text = lowered.as_text()
+        if text is not None:
+            self._fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def _mark(self, key: Key) -> str | None:
         """Say in the directory that this process compiles ``key`` (None: not sharing)."""

@@ -20,6 +20,18 @@ and every other member waits for it at the next barrier. jaxft bounds that wait:
   restore is never taken for a hang. :meth:`HangMonitor.busy` exempts legitimately long
   work between steps (an evaluation only process 0 runs, say).
 
+A step whose member the launcher recorded dead (:meth:`HangMonitor.doomed`, called by the
+step's tripwire, see :mod:`jaxft.deaths`) fails anyway, and its collectives usually fail
+within milliseconds once the data plane is broken (:mod:`jaxft.breaker`). Not always: gloo
+(as bundled with jaxlib) leaves a send it had queued on a connection that failed meanwhile
+pending until the collective timeout (``Timeouts.collective``; measured: one survivor of
+four kills in the issue-13 schedule waited it out, ``Timed out waiting 5000ms for send
+operation to complete``, and every other survivor waited for it). Nothing can wake that
+wait from outside, so such a member leaves instead: still inside the doomed step
+``max(Timeouts.stuck, 2 x the recent median step)`` after the death, while another member
+waits for it, it exits :data:`EXIT_HUNG` like a hung process, and rejoins after its restart.
+If every member is stuck, nobody waits and nobody leaves (the collective timeout ends it).
+
 A process stuck in native code that holds the GIL cannot run this thread; the others'
 barrier watchdog (``Timeouts.barrier``) remains the bound there.
 """
@@ -44,6 +56,8 @@ logger = logging.getLogger(__name__)
 EXIT_HUNG = 76  # a worker that found itself hung exits with this; the launcher says so
 WAIT_NOTICE_S = 1.0  # a barrier wait longer than this is published
 STEP_FACTOR = 10.0
+DOOMED_STEP_FACTOR = 2.0  # a doomed step may last this many median steps before its member leaves
+DOOMED_POLL_S = 0.02
 WAITING_PREFIX = "jaxft/waiting/"
 
 
@@ -68,6 +82,8 @@ class HangMonitor:
         self._step_starts: list[float] = []
         self._busy = 0
         self._finished = False
+        self._doomed: tuple[float, float, str] | None = None  # (step's _since, when, why)
+        self._wake = threading.Event()
         self._waiting_key: str | None = None
         threading.Thread(target=self._run, name="jaxft-hang-monitor", daemon=True).start()
 
@@ -83,6 +99,22 @@ class HangMonitor:
         with self._lock:
             self._step_starts = (self._step_starts + [now])[-21:]
             self._phase, self._since, self._long = "in a step", now, self._long and self._phase == "in a step"
+
+    def doomed(self, why: str) -> None:
+        """The step in progress will fail (``why``: a member's death was recorded during it): if
+        the main thread is still in it after :meth:`doomed_deadline` while others wait, leave."""
+        with self._lock:
+            if self._phase != "in a step":
+                return
+            self._doomed = (self._since, time.monotonic(), why)
+        self._wake.set()
+
+    def doomed_deadline(self) -> float:
+        """``max(Timeouts.stuck, DOOMED_STEP_FACTOR x the recent median step)``."""
+        with self._lock:
+            starts = list(self._step_starts)
+        median = statistics.median(b - a for a, b in zip(starts, starts[1:])) if len(starts) >= 3 else 0.0
+        return max(self.timeouts.stuck, DOOMED_STEP_FACTOR * median)
 
     def long_step(self) -> None:
         """This step compiles or rehydrates: bound it by ``Timeouts.setup``."""
@@ -145,10 +177,24 @@ class HangMonitor:
     # -- the monitor thread -------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            time.sleep(self.poll_s)
             with self._lock:
-                phase, since, busy, finished = self._phase, self._since, self._busy, self._finished
+                doomed = self._doomed
+                if doomed is not None and (self._since != doomed[0] or self._phase != "in a step"):
+                    self._doomed = doomed = None  # the doomed step ended: its member left it in time
+            if self._wake.wait(DOOMED_POLL_S if doomed is not None else self.poll_s):
+                self._wake.clear()
+            with self._lock:
+                phase, since, busy, finished, long = self._phase, self._since, self._busy, self._finished, self._long
+                doomed = self._doomed
             if busy or finished or phase == "at a barrier":
+                continue
+            if doomed is not None and doomed[0] == since and not long:
+                stuck = time.monotonic() - doomed[1]
+                deadline = self.doomed_deadline()
+                if stuck > deadline:
+                    waiters = self._others_waiting()
+                    if waiters:
+                        self._die(f"{phase} whose {doomed[2]}", stuck, deadline, waiters, setting="stuck")
                 continue
             elapsed = time.monotonic() - since
             deadline = self.deadline()
@@ -158,11 +204,12 @@ class HangMonitor:
             if waiters:
                 self._die(phase, elapsed, deadline, waiters)
 
-    def _die(self, phase: str, elapsed: float, deadline: float, waiters: list[str]) -> None:
+    def _die(self, phase: str, elapsed: float, deadline: float, waiters: list[str],
+             setting: str = "step/Timeouts.setup") -> None:
         info = {"phase": phase, "stuck_s": round(elapsed, 2), "deadline_s": round(deadline, 2),
                 "waiting": waiters[:8]}
         message = (f"jaxft: process {self.process_id} is hung: {phase} for {elapsed:.1f} s (deadline "
-                   f"{deadline:.1f} s, Timeouts.step/Timeouts.setup) while {', '.join(waiters[:4])} wait for it; "
+                   f"{deadline:.1f} s, Timeouts.{setting}) while {', '.join(waiters[:4])} wait for it; "
                    "its Python stacks follow, then it exits so that the others go on")
         logger.error(message)
         sys.stderr.write(message + "\n")

@@ -216,7 +216,7 @@ class ElasticLoop:
         self._compiled: dict[tuple[int, ...], Callable] = {}
         # The last step's replicated outputs, reused while the members and the state stay the same.
         self._global: tuple | None = None  # (device ids, ids of the local leaves, global state)
-        self.executables = executables_lib.Executables(executables_lib.shared_dir())
+        self.executables = executables_lib.Executables(executables_lib.shared_dir(), reference=self._reference_program)
         self.group.on_reset(before=self._state_to_host, after=self._after_reset)
         self.group.before_admission(self._prepare_admission)
         self.precompile = precompile
@@ -255,13 +255,12 @@ class ElasticLoop:
         compiled by process 0 loaded instead of traced); plain call for a step without ``lower``."""
         if not hasattr(fn, "lower"):
             return fn(*args)
-        devices = list(mesh.devices.flat)
-        compiler = self.group.process_id == min(d.process_index for d in devices)  # the others wait for it
-        return self.executables.call(tuple(d.id for d in devices), fn, args, compiler)
+        compiler = self.group.process_id == min(d.process_index for d in mesh.devices.flat)  # the others wait
+        return self.executables.call(executables_lib.mesh_ids(mesh), fn, args, compiler)
 
     def _fn_for(self, mesh: Mesh) -> Callable:
         """The jitted step for ``mesh`` (one per device set; the background warm-up uses it too)."""
-        key = tuple(d.id for d in mesh.devices.flat)
+        key = executables_lib.mesh_ids(mesh)
         fn = self._compiled.get(key)
         if fn is None:
             if self.make_step is not None:
@@ -336,6 +335,22 @@ class ElasticLoop:
 
     def _compile_for(self, mesh: Mesh, state_shapes: PyTree, template: PyTree) -> None:
         """Lower and compile the step for ``mesh`` with the arguments :meth:`try_step` will give it."""
+        fn, args = self._specs_for(mesh, state_shapes, template)
+        if hasattr(fn, "lower"):
+            self.executables.get(executables_lib.key(executables_lib.mesh_ids(mesh), args), fn, args)
+
+    def _reference_program(self) -> str:
+        """The step lowered for every process's devices: the same text in every process of a
+        run with the same code and arguments, whatever mesh it first runs on (it names the
+        programs the processes share, see :mod:`jaxft.executables`)."""
+        if self._batch_template is None:
+            raise RuntimeError("no batch yet")
+        fn, args = self._specs_for(self._mesh_of(tuple(range(jax.process_count()))), _shapes(self.state),
+                                   self._batch_template)
+        return fn.lower(*args).as_text()
+
+    def _specs_for(self, mesh: Mesh, state_shapes: PyTree, template: PyTree) -> tuple[Callable, tuple]:
+        """The step for ``mesh`` and the abstract arguments :meth:`try_step` will give it."""
         fn = self._fn_for(mesh)
         replicated = NamedSharding(mesh, P())
         state = jax.tree_util.tree_map(
@@ -345,8 +360,7 @@ class ElasticLoop:
                                   chunk=self.chunk)
         args = (state, batch, mask) + ((_votes_spec(mesh, self.group.axis_name),)
                                        if self.group.admission == "ready" else ())
-        if hasattr(fn, "lower"):
-            self.executables.get((tuple(d.id for d in mesh.devices.flat), executables_lib.signature(args)), fn, args)
+        return fn, args
 
     def _warm_pause(self) -> None:
         """Before a backend rebuild: no compile runs across it, and the next commit warms up anew."""

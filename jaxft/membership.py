@@ -308,6 +308,7 @@ class ElasticGroup:
                 n = breaker.break_data_plane()
                 logger.info("process %d: members %s recorded dead during the step; broke %d connections",
                             self.process_id, sorted(dead), n)
+                self.hang.doomed(f"member(s) {sorted(dead)} died")  # bounds a send gloo leaves pending
 
             self._tripwire = deaths_lib.Tripwire(self._deaths, trip)
         return self._tripwire
@@ -595,7 +596,8 @@ class _Watchdog:
                 if self._armed is not armed:
                     continue  # disarmed (or re-armed) in time
             what, t0 = armed
-            if not self._published and time.monotonic() - t0 > WAIT_NOTICE_S:
+            notice = 0.0 if what == "leaving a failed step" else WAIT_NOTICE_S  # a member may be stuck in it
+            if not self._published and time.monotonic() - t0 > notice:
                 g.hang.waiting(what)  # a member may be hung: let it know we wait for it
                 with self._cond:
                     self._published = self._armed is armed

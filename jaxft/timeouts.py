@@ -29,6 +29,9 @@ class Timeouts:
         a process that waits longer exits rather than hang.
       step: the floor of the step deadline: a member stuck this long (and at least 10x
         the recent median step) while others wait for it is hung (see jaxft.hang).
+      stuck: a member still inside a step this long (and at least 2x the recent median step)
+        after the launcher recorded another member's death during it, while others wait for
+        it, leaves and rejoins (gloo can leave a send pending until ``collective``; see jaxft.hang).
       setup: the step deadline during set-up, a compile for a new mesh, a rejoin.
       reset: the barrier of the CPU data-plane rebuild when the live set gains members.
       save_barrier: each blocking Orbax barrier of a save, and how long a save waits for
@@ -46,6 +49,7 @@ class Timeouts:
     initialization: float = 60.0
     barrier: float = 600.0
     step: float = 60.0
+    stuck: float = 1.0
     setup: float = 600.0
     reset: float = 60.0
     save_barrier: float = 60.0
