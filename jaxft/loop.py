@@ -59,11 +59,21 @@ StepFn = Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, dict]]  # (state, b
 
 
 def _with_votes(fn: Callable, mesh: Mesh) -> Callable:
-    """``fn`` plus admission votes: ``(state, batch, mask, votes[D, P]) -> (..., max over D)``,
-    one jitted program, so agreeing on joiners costs no extra round trip (jaxft.admission)."""
+    """``fn`` plus admission votes: ``(state, batch, mask, votes[D, P]) -> (..., any over D)``,
+    one jitted program, so agreeing on joiners costs no extra round trip (jaxft.admission).
+
+    The votes (0 or 1) are summed in float32, so that XLA merges their all-reduce with the
+    step's own (gradients and loss: one gloo all-reduce per step, checked in the compiled
+    program by ``tests/test_admission.py``). As a separate max over int32 it was a second
+    all-reduce, independent of the first and scheduled before it, on the one gloo slot all
+    of XLA's CPU collectives share: when a peer died during it, a member that failed in it
+    could go on to the step's all-reduce and send its 32-byte chunks to a live peer still
+    waiting for a 4-byte votes chunk, and gloo aborted that peer (``op.preamble.length <=
+    op.nbytes. 32 vs 4``, seen in issue-13 schedule runs)."""
     def step(state, batch, mask, votes):
         new_state, metrics = fn(state, batch, mask)
-        return new_state, metrics, jnp.max(votes, axis=0)
+        agreed = (jnp.sum(votes.astype(jnp.float32), axis=0) > 0).astype(jnp.int32)
+        return new_state, metrics, agreed
 
     return jax.jit(step, out_shardings=NamedSharding(mesh, P()))
 

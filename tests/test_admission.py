@@ -145,3 +145,50 @@ def test_a_late_joiner_of_a_finished_run_exits_0(tmp_path):
     f = finals(events)
     assert {0, 1} <= {e["process"] for e in f} and all(e["step"] == 12 for e in f), proc.describe()
     assert len({e["params_sha256"] for e in f}) == 1
+
+
+VOTES_PROGRAM = r'''
+import re
+import jax, numpy as np, optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jaxft
+from jaxft.bench.mlp import init_params, loss_fn, make_dataset
+from jaxft.data import shard_batch
+from jaxft.loop import _votes_array, _with_votes
+from jaxft.trainer import make_train_step
+
+G = 96
+data = jaxft.GlobalBatches(make_dataset(1024), G, seed=0)
+mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+rep = NamedSharding(mesh, P())
+for reduction, chunks in (("allreduce", None), ("exact", 8)):
+    opt = optax.adam(1e-2)
+    inner = make_train_step(loss_fn, opt, G, mesh, reduction, chunks)
+
+    def step(state, batch, mask):
+        p, o, loss = inner(state["params"], state["opt_state"], batch, mask)
+        return {"params": p, "opt_state": o}, {"loss": loss}
+
+    params = jax.device_put(init_params(0, 16, 32), rep)
+    state = {"params": params, "opt_state": jax.device_put(opt.init(params), rep)}
+    batch, mask = shard_batch(data.batch(0), mesh, chunk=G // chunks if chunks else None)
+    votes = _votes_array(np.array([0, 1, 0, 1], np.int32), mesh, "data")
+    fn = _with_votes(jax.jit(step, out_shardings=rep), mesh)
+    text = fn.lower(state, batch, mask, votes).compile().as_text()
+    ops = re.findall(r"\s(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(", text)
+    _, _, agreed = fn(state, batch, mask, votes)
+    print(reduction, ",".join(ops), ",".join(map(str, np.asarray(agreed).tolist())))
+'''
+
+
+def test_the_votes_ride_in_the_steps_own_all_reduce():
+    # One gloo all-reduce per step with the default reduction: a second, independent one (the
+    # votes' max) let a member that failed in one go on to the other on the same gloo slot.
+    from helpers import PYTHON, clean_env, run
+
+    r = run([PYTHON, "-c", VOTES_PROGRAM], env=clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"),
+            timeout=240)
+    assert r.returncode == 0, r.describe()
+    rows = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines() if line.strip()}
+    assert rows["allreduce"] == ["all-reduce", "0,1,0,1"], rows
+    assert rows["exact"][1] == "0,1,0,1", rows  # (the exact reduction all-gathers: more than one collective)
