@@ -483,7 +483,10 @@ class ElasticGroup:
         if self._watchdog is None:
             self._watchdog = _Watchdog(self)
         self.hang.phase("at a barrier")
-        self._watchdog.arm(what)
+        published = what == "leaving a failed step"
+        if published:  # a member may be stuck in the failed step: it leaves once it sees this (jaxft.hang)
+            self.hang.waiting(what)
+        self._watchdog.arm(what, published)
         try:
             yield
         finally:
@@ -572,10 +575,11 @@ class _Watchdog:
         self._published = False  # this wait was published (jaxft.hang) and must be cleared
         threading.Thread(target=self._run, daemon=True, name="jaxft-watchdog").start()
 
-    def arm(self, what: str) -> None:
+    def arm(self, what: str, published: bool = False) -> None:
+        """Watch the wait ``what``; ``published``: the caller published it already (jaxft.hang)."""
         with self._cond:
             self._armed = (what, time.monotonic())
-            self._published = False
+            self._published = published
             self._cond.notify()
 
     def disarm(self) -> bool:
@@ -596,8 +600,7 @@ class _Watchdog:
                 if self._armed is not armed:
                     continue  # disarmed (or re-armed) in time
             what, t0 = armed
-            notice = 0.0 if what == "leaving a failed step" else WAIT_NOTICE_S  # a member may be stuck in it
-            if not self._published and time.monotonic() - t0 > notice:
+            if not self._published and time.monotonic() - t0 > WAIT_NOTICE_S:
                 g.hang.waiting(what)  # a member may be hung: let it know we wait for it
                 with self._cond:
                     self._published = self._armed is armed

@@ -49,7 +49,7 @@ class Timeouts:
     initialization: float = 60.0
     barrier: float = 600.0
     step: float = 60.0
-    stuck: float = 1.0
+    stuck: float = 0.5
     setup: float = 600.0
     reset: float = 60.0
     save_barrier: float = 60.0

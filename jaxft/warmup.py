@@ -4,7 +4,7 @@ When a member dies, the survivors retry the step on a smaller mesh, whose progra
 compiled (or loaded from the persistent cache) first: on CPU that was most of what a
 failure cost them (0.6-1.8 s with four processes on two cores, 3.5 s for a width never
 seen). The likely next meshes are known in advance: the current members less any one of
-them. :class:`Warmer` lowers and compiles the step for each of those in one daemon thread
+them (then less a member and its successor, see :func:`shrinks`). :class:`Warmer` lowers and compiles the step for each of those in one daemon thread
 of process 0 after the members change. jax writes persistent-cache entries from process 0
 only, and process 0 can compile for devices it does not hold, so every entry one failure
 away is on disk before the failure: the survivors load the executable (~0.1-0.3 s) instead
@@ -80,8 +80,19 @@ class Warmer:
 
 def shrinks(members: Sequence[int], min_members: int = 1) -> list[tuple[int, ...]]:
     """The member sets one failure away from ``members`` (``members`` less one process each,
-    the highest first), none below ``min_members``."""
+    the highest first), then those a death and its successor away (``members`` less a process
+    and the next one, cyclically: when a member dies inside gloo's ring all-reduce, its
+    successor is the survivor seen left in a pending send, which then leaves too, see
+    :mod:`jaxft.hang`); none below ``min_members``."""
     members = sorted(members)
-    if len(members) - 1 < max(1, min_members):
+    n = len(members)
+    if n - 1 < max(1, min_members):
         return []
-    return [tuple(p for p in members if p != q) for q in reversed(members)]
+    out = [tuple(p for p in members if p != q) for q in reversed(members)]
+    if n - 2 >= max(1, min_members):
+        for i in reversed(range(n)):
+            gone = {members[i], members[(i + 1) % n]}
+            pair = tuple(p for p in members if p not in gone)
+            if pair not in out:
+                out.append(pair)
+    return out

@@ -25,6 +25,22 @@ setup_venv() {
     rm -f "$out"
 }
 
+# install_deps DIR: install jaxft's dependencies and test extras (read from pyproject.toml) into
+# the environment DIR, not jaxft itself: this may run alongside another environment's set-up,
+# while only one editable install at a time writes jaxft.egg-info into the source tree.
+install_deps() {
+    local dir=$1 out
+    out=$(mktemp)
+    # shellcheck disable=SC2046
+    if ! "$dir/bin/python" -m pip install -q $("$dir/bin/python" -c '
+import tomllib
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print(" ".join(map(repr, p["dependencies"] + p["optional-dependencies"]["test"])))' | tr -d "'") >"$out" 2>&1; then
+        cat "$out"; rm -f "$out"; return 1
+    fi
+    rm -f "$out"
+}
+
 # find_python312: print the path of a working Python 3.12 interpreter, if any.
 find_python312() {
     local candidates=() root p
@@ -51,7 +67,23 @@ python312=$(find_python312) || python312=""
 [ -n "$python312" ] || log "no Python 3.12 interpreter found; the smoke run on 3.12 is skipped"
 
 status=0
-if setup_venv "$python311" .venv; then
+# The 3.12 environment is set up alongside the 3.11 one (two mostly single-threaded installs),
+# and finished before any test runs: the tests' timing must not share the cores with pip.
+setup312_log=""
+if [ -n "$python312" ]; then
+    setup312_log=$(mktemp)
+    { [ -x .venv312/bin/python ] || "$python312" -m venv .venv312; } && install_deps .venv312 >"$setup312_log" 2>&1 &
+    setup312_pid=$!
+fi
+setup311_ok=0
+setup_venv "$python311" .venv && setup311_ok=1
+setup312_ok=0
+if [ -n "$python312" ]; then
+    wait "$setup312_pid" || log "installing the dependencies into .venv312 failed; trying again"
+    cat "$setup312_log"; rm -f "$setup312_log"
+    setup_venv "$python312" .venv312 && setup312_ok=1  # jaxft itself (the dependencies are there)
+fi
+if [ "$setup311_ok" = 1 ]; then
     log "full suite on $(.venv/bin/python --version 2>&1)"
     .venv/bin/python -m pytest --durations=25 "$@" || status=1
 else
@@ -60,7 +92,7 @@ else
 fi
 
 if [ -n "$python312" ]; then
-    if setup_venv "$python312" .venv312; then
+    if [ "$setup312_ok" = 1 ]; then
         log "smoke subset on $(.venv312/bin/python --version 2>&1)"
         .venv312/bin/python -m pytest -q -m smoke || status=1
     else
