@@ -11,7 +11,8 @@ import time
 from helpers import PYTHON, clean_env, run
 from jaxft import executables
 
-# argv: shared directory, "first" mesh width, "then" mesh width, loss variant.
+# argv: shared directory, "first" mesh width, "then" mesh width, loss variant[, "ref": name the
+# shared programs by the loop's reference program, as ElasticLoop does].
 # Prints the number of jax compile/trace log lines of each phase and the programs' counters.
 SCRIPT = r'''
 import hashlib, logging, sys, types
@@ -39,7 +40,8 @@ data = jaxft.GlobalBatches(mlp.make_dataset(512), 96, seed=0)
 params = jax.tree_util.tree_map(np.asarray, mlp.init_params(0, 16, 32))
 loop = jaxft.ElasticTrainer(loss, optax.adam(1e-2), params, data,
                             group=jaxft.ElasticGroup(admission="ready")).loop
-loop.executables = executables.Executables(directory if directory != "-" else None)
+reference = loop._reference_program if sys.argv[5:] == ["ref"] else None
+loop.executables = executables.Executables(directory if directory != "-" else None, reference=reference)
 
 def step(width):
     mesh = Mesh(np.array(jax.devices()[:width]), ("data",))
@@ -103,6 +105,22 @@ def test_programs_are_shared_only_between_processes_of_the_same_code(tmp_path):
     assert again["then"][1] == first["then"][1], (again, first)
     other = _run(shared, 4, 3, "other")  # another loss: another fingerprint, nothing of the first loaded
     assert other["counters"] == ["1", "2"], other
+
+
+def test_a_process_whose_first_mesh_differs_reads_the_shared_programs(tmp_path):
+    # A joiner's first program is for the mesh it joins: named by its own first program it
+    # could read none of the others' (it compiled them again); named by the reference program
+    # (the step on every device) it loads them.
+    shared = tmp_path / "programs"
+    writer = _run(shared, 4, 3, "same", "ref")
+    assert writer["counters"] == ["1", "2"], writer
+    joiner = _run(shared, 3, 4, "same", "ref")  # widths 3 and 4 from the files, 4 from memory after the rebuild
+    assert joiner["counters"] == ["3", "0"], joiner
+    assert joiner["first"][1] == writer["then"][1] and joiner["then"][1] == writer["first"][1], (joiner, writer)
+    unnamed = _run(tmp_path / "other", 4, 3, "same")
+    assert unnamed["counters"] == ["1", "2"], unnamed
+    first_program = _run(tmp_path / "other", 3, 4, "same")  # named by its own first program: nothing shared
+    assert first_program["counters"] == ["1", "2"], first_program
 
 
 def test_a_waiter_gives_up_without_a_compiler_and_waits_for_one(tmp_path):
