@@ -79,20 +79,18 @@ class Warmer:
 
 
 def shrinks(members: Sequence[int], min_members: int = 1) -> list[tuple[int, ...]]:
-    """The member sets one failure away from ``members`` (``members`` less one process each,
-    the highest first), then those a death and its successor away (``members`` less a process
-    and the next one, cyclically: when a member dies inside gloo's ring all-reduce, its
-    successor is the survivor seen left in a pending send, which then leaves too, see
-    :mod:`jaxft.hang`); none below ``min_members``."""
+    """The member sets a failure away from ``members``: less one process (the highest first),
+    each followed by that set less the process's successor too (cyclically: when a member dies
+    inside gloo's ring all-reduce, its successor is the survivor seen left in a pending send,
+    which then leaves as well, see :mod:`jaxft.hang`); none below ``min_members``."""
     members = sorted(members)
     n = len(members)
     if n - 1 < max(1, min_members):
         return []
-    out = [tuple(p for p in members if p != q) for q in reversed(members)]
-    if n - 2 >= max(1, min_members):
-        for i in reversed(range(n)):
+    out: list[tuple[int, ...]] = []
+    for i in reversed(range(n)):
+        out.append(tuple(p for p in members if p != members[i]))
+        if n - 2 >= max(1, min_members):
             gone = {members[i], members[(i + 1) % n]}
-            pair = tuple(p for p in members if p not in gone)
-            if pair not in out:
-                out.append(pair)
-    return out
+            out.append(tuple(p for p in members if p not in gone))
+    return list(dict.fromkeys(out))
