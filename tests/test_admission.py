@@ -81,6 +81,8 @@ def killed_and_restarted(tmp_path, fault: str, n: int, step_sleep: float, *worke
     return events, why, out
 
 
+@pytest.mark.soak  # time budget: test_hang's member stuck in a step whose member died (4 processes, ready
+# admission, a kill inside a step, both rejoin, params agree) covers it in the default suite
 def test_kill_inside_the_all_reduce_of_four_then_rejoin(reference, tmp_path):
     # Process 1 dies inside step 15 while the others are in its all-reduce. In a ring of four,
     # process 3 is no neighbour of 1: it used to wait out the collective timeout (5 s), and by

@@ -252,6 +252,8 @@ def test_live_subset_without_process_0_saves_complete_checkpoints(tmp_path, refe
 
 # -- (c) a corrupt checkpoint --------------------------------------------------------------------
 
+@pytest.mark.soak  # time budget: test_single_process_round_trip_of_many_dtypes rejects a damaged newest
+# checkpoint and restores the previous one in the default suite (a byte flipped in every data file)
 def test_truncated_checkpoint_is_rejected_and_the_previous_one_restored(tmp_path, reference):
     ckpt_dir = tmp_path / "ckpt"
     first, ev1 = launch(tmp_path / "run1", "--steps", "15", "--checkpoint_every", str(EVERY),
