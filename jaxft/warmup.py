@@ -4,8 +4,9 @@ When a member dies, the survivors retry the step on a smaller mesh, whose progra
 compiled (or loaded from the persistent cache) first: on CPU that was most of what a
 failure cost them (0.6-1.8 s with four processes on two cores, 3.5 s for a width never
 seen). The likely next meshes are known in advance: the current members less any one of
-them (then less a member and its successor, see :func:`shrinks`). :class:`Warmer` lowers and compiles the step for each of those in one daemon thread
-of process 0 after the members change. jax writes persistent-cache entries from process 0
+them (each followed by those less a member and its successor, see :func:`shrinks`).
+:class:`Warmer` lowers and compiles the step for each of those in one daemon thread of
+process 0 after the members change. jax writes persistent-cache entries from process 0
 only, and process 0 can compile for devices it does not hold, so every entry one failure
 away is on disk before the failure: the survivors load the executable (~0.1-0.3 s) instead
 of compiling it, and process 0, if it survives, finds it in memory (a jitted function called
