@@ -63,13 +63,13 @@ def _with_votes(fn: Callable, mesh: Mesh) -> Callable:
     one jitted program, so agreeing on joiners costs no extra round trip (jaxft.admission).
 
     The votes (0 or 1) are summed in float32, so that XLA merges their all-reduce with the
-    step's own (gradients and loss: one gloo all-reduce per step, checked in the compiled
-    program by ``tests/test_admission.py``). As a separate max over int32 it was a second
-    all-reduce, independent of the first and scheduled before it, on the one gloo slot all
-    of XLA's CPU collectives share: when a peer died during it, a member that failed in it
-    could go on to the step's all-reduce and send its 32-byte chunks to a live peer still
-    waiting for a 4-byte votes chunk, and gloo aborted that peer (``op.preamble.length <=
-    op.nbytes. 32 vs 4``, seen in issue-13 schedule runs)."""
+    step's own (gradients and loss: one all-reduce op per step, checked in the compiled
+    program by ``tests/test_admission.py``); as a max over int32 they were a second one,
+    independent of the step's and scheduled before it. Meant against gloo's "op.preamble.length
+    <= op.nbytes. 32 vs 4" abort of a survivor when a member dies (all of XLA's CPU collectives
+    share one gloo slot, so a member a collective ahead of its peer sends chunks of the wrong
+    size), it does not close it: XLA runs a tuple all-reduce as one gloo all-reduce per element
+    on that slot, and the abort was seen once after the change (issue-13 schedule, final code)."""
     def step(state, batch, mask, votes):
         new_state, metrics = fn(state, batch, mask)
         agreed = (jnp.sum(votes.astype(jnp.float32), axis=0) > 0).astype(jnp.int32)

@@ -184,8 +184,8 @@ for reduction, chunks in (("allreduce", None), ("exact", 8)):
 
 
 def test_the_votes_ride_in_the_steps_own_all_reduce():
-    # One gloo all-reduce per step with the default reduction: a second, independent one (the
-    # votes' max) let a member that failed in one go on to the other on the same gloo slot.
+    # One all-reduce op per step with the default reduction (the votes' max was a second,
+    # independent one), and the agreed votes are the same.
     from helpers import PYTHON, clean_env, run
 
     r = run([PYTHON, "-c", VOTES_PROGRAM], env=clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"),
