@@ -205,7 +205,7 @@ class ElasticGroup:
                 yield members
             except BaseException as e:
                 self._break_if_collective_failed(e)
-                with self._watch("leaving a failed step"):
+                with self._watch("leaving a failed step", publish=True):
                     if not cm.__exit__(type(e), e, e.__traceback__):
                         raise
             else:
@@ -269,7 +269,8 @@ class ElasticGroup:
             if tripwire is not None:
                 tripwire.disarm()
         try:
-            with self._watch("leaving a failed step" if error is not None else "leaving a step"):
+            with self._watch("leaving a failed step" if error is not None else "leaving a step",
+                             publish=error is not None):
                 exit_ = self._deaths.live_nodes(client.get_live_nodes, sorted(entry))
         finally:
             self.hang.phase("between steps")
@@ -478,15 +479,16 @@ class ElasticGroup:
         return value.isdigit() and int(value) >= self.target
 
     @contextlib.contextmanager
-    def _watch(self, what: str) -> Iterator[None]:
-        """Arm the watchdog for the duration of one barrier."""
+    def _watch(self, what: str, publish: bool = False) -> Iterator[None]:
+        """Arm the watchdog for the duration of one barrier; ``publish``: say at once that this
+        process waits (the exit of a failed step: a member stuck in it leaves once it sees that,
+        see jaxft.hang), not only after ``WAIT_NOTICE_S``."""
         if self._watchdog is None:
             self._watchdog = _Watchdog(self)
         self.hang.phase("at a barrier")
-        published = what == "leaving a failed step"
-        if published:  # a member may be stuck in the failed step: it leaves once it sees this (jaxft.hang)
+        if publish:
             self.hang.waiting(what)
-        self._watchdog.arm(what, published)
+        self._watchdog.arm(what, publish)
         try:
             yield
         finally:

@@ -88,10 +88,11 @@ def shrinks(members: Sequence[int], min_members: int = 1) -> list[tuple[int, ...
     n = len(members)
     if n - 1 < max(1, min_members):
         return []
+    pairs = n - 2 >= max(1, min_members)
     out: list[tuple[int, ...]] = []
     for i in reversed(range(n)):
         out.append(tuple(p for p in members if p != members[i]))
-        if n - 2 >= max(1, min_members):
+        if pairs:
             gone = {members[i], members[(i + 1) % n]}
             out.append(tuple(p for p in members if p not in gone))
-    return list(dict.fromkeys(out))
+    return out

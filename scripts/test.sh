@@ -8,6 +8,18 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 log() { echo "== scripts/test.sh: $*"; }
 
+# pip_quiet DIR ARGS...: pip install ARGS into the environment DIR, quietly; pip's output
+# (warnings included) shown only when the install fails.
+pip_quiet() {
+    local dir=$1 out
+    shift
+    out=$(mktemp)
+    if ! "$dir/bin/python" -m pip install -q "$@" >"$out" 2>&1; then
+        cat "$out"; rm -f "$out"; return 1
+    fi
+    rm -f "$out"
+}
+
 # setup_venv PYTHON DIR: create DIR with PYTHON if missing, then install jaxft and test deps.
 setup_venv() {
     local python=$1 dir=$2
@@ -16,29 +28,19 @@ setup_venv() {
         "$python" -m venv "$dir" || return 1
     fi
     log "installing -e '.[test]' into $dir"
-    local out
-    out=$(mktemp)
-    # -q, and pip's warnings shown only when the install fails
-    if ! "$dir/bin/python" -m pip install -q -e '.[test]' >"$out" 2>&1; then
-        cat "$out"; rm -f "$out"; return 1
-    fi
-    rm -f "$out"
+    pip_quiet "$dir" -e '.[test]'
 }
 
 # install_deps DIR: install jaxft's dependencies and test extras (read from pyproject.toml) into
 # the environment DIR, not jaxft itself: this may run alongside another environment's set-up,
 # while only one editable install at a time writes jaxft.egg-info into the source tree.
 install_deps() {
-    local dir=$1 out
-    out=$(mktemp)
-    # shellcheck disable=SC2046
-    if ! "$dir/bin/python" -m pip install -q $("$dir/bin/python" -c '
+    local dir=$1 deps
+    mapfile -t deps < <("$dir/bin/python" -c '
 import tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
-print(" ".join(map(repr, p["dependencies"] + p["optional-dependencies"]["test"])))' | tr -d "'") >"$out" 2>&1; then
-        cat "$out"; rm -f "$out"; return 1
-    fi
-    rm -f "$out"
+print("\n".join(p["dependencies"] + p["optional-dependencies"]["test"]))')
+    pip_quiet "$dir" "${deps[@]}"
 }
 
 # find_python312: print the path of a working Python 3.12 interpreter, if any.
