@@ -16,7 +16,9 @@ A fault spec is ``ACTION:key=value:...``:
   (its async save has started); ``during-rehydrate`` (the members agreed who is behind and who donates; the state
   has not moved yet: fires in the donor, the joiners and bystanders, with the step the
   process holds) and ``during-restore`` (a cold restore read the checkpoint, nothing
-  adopted yet; ``step`` is the checkpoint's).
+  adopted yet; ``step`` is the checkpoint's); ``admitted`` (a restarted process in the step
+  that admits it, after the rebuild's barriers, before anything else: fires in the joiner,
+  with the step it holds).
 * ``kill:process=0:after=4.5s`` -- launcher side: SIGKILL worker 0 4.5 s after launch.
 
 Every rule fires once per run, also across restarts: a marker file per (rule, process)
@@ -37,7 +39,7 @@ from jaxft.errors import FaultSpecError
 
 ACTIONS = ("kill", "kill-all", "stop", "hang")
 PHASES = ("before-step", "in-step", "after-grad", "after-commit", "before-save", "during-save", "during-rehydrate",
-          "during-restore")
+          "during-restore", "admitted")
 DEFAULT_PHASE = "after-grad"
 
 

@@ -29,7 +29,10 @@ four kills in the issue-13 schedule waited it out, ``Timed out waiting 5000ms fo
 operation to complete``, and every other survivor waited for it). Nothing can wake that
 wait from outside, so such a member leaves instead: still inside the doomed step
 ``max(Timeouts.stuck, 2 x the recent median step)`` after the death, while another member
-waits for it, it exits :data:`EXIT_HUNG` like a hung process, and rejoins after its restart.
+waits for it, it leaves the step's program running in its worker thread and fails the step
+like the others (:mod:`jaxft.runner`; the ``abandoned`` event); if its main thread is not
+waiting for a program (stuck elsewhere) or has not left the step :data:`ABANDON_GRACE_S`
+later, it exits :data:`EXIT_HUNG` like a hung process and rejoins after its restart.
 If every member is stuck, nobody waits and nobody leaves (the collective timeout ends it).
 
 A process stuck in native code that holds the GIL cannot run this thread; the others'
@@ -59,6 +62,7 @@ STEP_FACTOR = 10.0
 DOOMED_STEP_FACTOR = 2.0  # a doomed step may last this many median steps before its member leaves
 DOOMED_POLL_S = 0.02
 WAITING_PREFIX = "jaxft/waiting/"
+ABANDON_GRACE_S = 1.0  # a member told to leave a doomed step's program exits if still in the step then
 
 
 class HangMonitor:
@@ -83,6 +87,10 @@ class HangMonitor:
         self._busy = 0
         self._finished = False
         self._doomed: tuple[float, float, str] | None = None  # (step's _since, when, why)
+        # leave a doomed step's program running instead of exiting (jaxft.runner): returns
+        # whether the main thread was waiting for a program it can leave
+        self.abandon: Callable[[dict], bool] | None = None
+        self._abandoned_at: float | None = None  # when the doomed step in progress was left
         self._wake = threading.Event()
         self._waiting_key: str | None = None
         threading.Thread(target=self._run, name="jaxft-hang-monitor", daemon=True).start()
@@ -181,6 +189,7 @@ class HangMonitor:
                 doomed = self._doomed
                 if doomed is not None and (self._since != doomed[0] or self._phase != "in a step"):
                     self._doomed = doomed = None  # the doomed step ended: its member left it in time
+                    self._abandoned_at = None
             if self._wake.wait(DOOMED_POLL_S if doomed is not None else self.poll_s):
                 self._wake.clear()
             with self._lock:
@@ -193,7 +202,14 @@ class HangMonitor:
                 deadline = self.doomed_deadline()
                 if stuck > deadline:
                     waiters = self._others_waiting()
-                    if waiters:
+                    if waiters and self._abandoned_at is None and self.abandon is not None:
+                        info = {"phase": f"{phase} whose {doomed[2]}", "stuck_s": round(stuck, 2),
+                                "deadline_s": round(deadline, 2), "waiting": waiters[:8]}
+                        if self.abandon(info):  # the main thread leaves the program; it should be
+                            self._abandoned_at = time.monotonic()  # out of the step at once
+                            continue
+                    if waiters and (self._abandoned_at is None
+                                    or time.monotonic() - self._abandoned_at > ABANDON_GRACE_S):
                         self._die(f"{phase} whose {doomed[2]}", stuck, deadline, waiters, setting="stuck")
                 continue
             elapsed = time.monotonic() - since

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Callable
 
@@ -45,11 +46,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxft import executables as executables_lib
-from jaxft import rejoin, stopping, transfer, warmup
+from jaxft import rejoin, runner as runner_lib, stopping, transfer, warmup
 from jaxft.data import batch_specs, shard_batch, step_batch
 from jaxft.errors import ConsistencyError, RetryBudgetExceeded, StepFailed, TooFewMembers
 from jaxft.events import EventLog
 from jaxft.faults import FaultInjector
+from jaxft.hang import EXIT_HUNG
 from jaxft.membership import ElasticGroup, Members
 from jaxft.types import PyTree
 
@@ -235,6 +237,7 @@ class ElasticLoop:
         self._precompiled: set[tuple[int, ...]] = set()  # member sets compiled ahead in this life
         self._leaks_logged = 0
         self._batch_template: PyTree | None = None  # shapes and dtypes of a host global batch
+        self._runner = runner_lib.StepRunner()
 
     @property
     def global_batch(self) -> int:
@@ -245,7 +248,21 @@ class ElasticLoop:
         return self.last_metrics.get("loss")
 
     # -- state --------------------------------------------------------------------------
+    def _abandon(self, info: dict) -> bool:
+        """From the hang monitor: leave the doomed step's program (see jaxft.runner)."""
+        if not self._runner.abandon(info["phase"]):
+            return False
+        self.events.log("abandoned", step=self.step, **info)
+        return True
+
     def _state_to_host(self) -> None:
+        # No program may run under the backend rebuild that follows: an abandoned one ends
+        # when gloo's collective timeout fires.
+        bound = self.group.timeouts.collective + 2.0
+        if not self._runner.drain(bound):
+            logger.error("process %d: a step program it left is still running after %.0f s; exiting to rejoin",
+                         self.group.process_id, bound)
+            os._exit(EXIT_HUNG)
         self._global = None
         self.state = to_host(self.state)
 
@@ -414,6 +431,7 @@ class ElasticLoop:
             raise SystemExit(0)
         self.group.hang.finished(False)
         self.group.hang.on_hung = lambda info: self.events.log("hung", step=self.step, **info)
+        self.group.hang.abandon = self._abandon
         self.events.log("train_start", step=self.step, total_steps=num_steps)
         failures, waiting_since = 0, None
         while self.step < num_steps:
@@ -455,20 +473,30 @@ class ElasticLoop:
                     raise _Skip
                 state, rehydrated = self.state, None
                 if m.gained:
+                    if self.group.joining:
+                        self.faults.point("admitted", step)
                     step, state, rehydrated = self._sync_state(m)
                 fn = self._fn(m)
                 batch, mask = self._batch(step, m)
                 agreed = None
-                self.faults.point("in-step", step)
-                t_program = time.monotonic()
+                args = (self._replicated(state, m), batch, mask)
                 if self.group.admission == "ready":  # admission votes ride in the step's own program
-                    votes = _votes_array(self.group.votes(m), m.mesh, self.group.axis_name)
-                    new_global, metrics, agreed = self._call(m.mesh, fn, (self._replicated(state, m), batch, mask, votes))
+                    args += (_votes_array(self.group.votes(m), m.mesh, self.group.axis_name),)
+
+                def program(step=step, fn=fn, args=args, mesh=m.mesh):
+                    self.faults.point("in-step", step)
+                    if self._runner.left():  # (left during the fault point's hang)
+                        return None
+                    return jax.block_until_ready(self._call(mesh, fn, args))
+
+                t_program = time.monotonic()
+                outputs = self._runner.run(program)  # in a thread it can be left in (jaxft.runner)
+                t_program = time.monotonic() - t_program
+                if self.group.admission == "ready":
+                    new_global, metrics, agreed = outputs
                     agreed = np.asarray(agreed.addressable_data(0))
                 else:
-                    new_global, metrics = self._call(m.mesh, fn, (self._replicated(state, m), batch, mask))
-                jax.block_until_ready((new_global, metrics))
-                t_program = time.monotonic() - t_program
+                    new_global, metrics = outputs
                 self.faults.point("after-grad", step)
                 new_state = local_copy(new_global)
                 if self.check_every and (step + 1) % self.check_every == 0:
@@ -481,6 +509,11 @@ class ElasticLoop:
             self.events.log("step_failed", step=step, failed=list(e.failed),
                             cause=str(e.cause).splitlines()[0][:300] if e.cause else "membership changed")
             return None
+        except runner_lib.Abandoned as e:  # left a program no member failed in: the others may commit it
+            self.events.log("abandoned_without_failure", step=step, why=str(e))
+            logger.error("process %d left step %d's program, but no member failed; exiting to rejoin",
+                         self.group.process_id, step)
+            os._exit(EXIT_HUNG)
         except _Skip:
             self.events.log("step_waiting", step=step, members=list(self._too_few), min_members=self.min_members)
             return None

@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 from jax.extend import backend as jax_backend
 from jax.sharding import Mesh
 
-from jaxft import _compat, admission as admission_lib, breaker, deaths as deaths_lib, kv, priority
+from jaxft import _compat, admission as admission_lib, breaker, deaths as deaths_lib, kv, priority, rendezvous
 from jaxft import timeouts as timeouts_lib
 from jaxft.errors import BarrierTimeout, StepFailed
 from jaxft.hang import WAIT_NOTICE_S, HangMonitor
@@ -102,6 +102,7 @@ class ElasticGroup:
         self._barrier_pids: list[int] | None = None  # process ids of the next step's barrier
         self._committed: dict[int, int] | None = None  # the last committed step's exit query answer
         self._admitting: set[int] = set()
+        self.joining = False  # admitted into a running set; until this process's first commit
         self._watcher: admission_lib.ReadyWatcher | None = None
         self._published: tuple[int, ...] | None = None
         self._deaths: deaths_lib.DeathWatch | None = None
@@ -284,6 +285,7 @@ class ElasticGroup:
             raise error
         self._agreed = dict(members.incarnations)
         self._committed = exit_
+        self.joining = False
         self._check_old_backend()
 
     @contextlib.contextmanager
@@ -429,6 +431,7 @@ class ElasticGroup:
                            self.process_id)
             return everyone, time.time(), True
         pids, alive_at = admitted
+        self.joining = True
         logger.info("process %d admitted after %.2f s with %s", self.process_id, time.monotonic() - t0, pids)
         return pids, alive_at, False
 
@@ -508,8 +511,12 @@ class ElasticGroup:
         if reset:
             self._reset_data_plane(current)
             devices = [d for d in jax.devices() if d.process_index in current]
-        elif self._synced is None:
-            self._synced = dict(current)
+        else:
+            if self._synced is None:
+                self._synced = dict(current)
+            if self.needs_data_plane_reset and key not in self._used:
+                self.hang.long_step()  # (compiles the rendezvous program)
+                rendezvous.compile_for(devices)()
         self._used.add(key)
         self._previous = dict(current)
         devices = tuple(sorted(devices, key=lambda d: d.id))
@@ -534,9 +541,11 @@ class ElasticGroup:
                 kv.delete_dir(self._last_reset_ns)
         self._last_reset_ns = namespace
         # Two barriers that give up on a member the launcher records dead (or whose heartbeat
-        # stops): before the rebuild, and after it, right before the first collective of the new
-        # backend. A member that dies after the second one is met by gloo's rendezvous of that
-        # collective, which waits 30 s for its key (gloo's own bound; see README).
+        # stops): before the rebuild, and after it, right before the new backend's gloo
+        # rendezvous (jaxft.rendezvous: compiled before the barrier, run right after it). A
+        # member that dies between the second barrier and publishing its rendezvous key is
+        # waited for 30 s (gloo's own bound; see README): that window is now microseconds
+        # instead of everything the step did before its first collective.
         cancel = threading.Event()
         barrier = kv.KVBarrier(namespace, members, self.process_id, cancel, timeouts=self.timeouts, what="reset",
                                dead_after="save_dead_after", unknown_after="reset", timeout_name="reset")
@@ -556,7 +565,9 @@ class ElasticGroup:
             for hook in self._post_reset:
                 hook()
             self._synced = dict(current)
+            connect_gloo = rendezvous.compile_for([d for d in jax.devices() if d.process_index in current])
             barrier(key="rebuilt", timeout_ms=int(self.timeouts.reset * 1000))
+            connect_gloo()
         self.last_reset = {"barrier_s": round(t1 - t0, 4), "backend_s": round(t2 - t1, 4),
                            "state_s": round(time.monotonic() - t2, 4)}
         logger.info("process %d rebuilt the CPU data plane for %s: %s", self.process_id, members, self.last_reset)

@@ -18,6 +18,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -116,7 +117,8 @@ def _exact_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, global
       gradient differently;
     * optimization barriers around the gathered gradients and their sum: on one device the
       gather is a no-op, and fusing the update into the producers changed the rounding.
-    Cost: each device holds ``chunks`` gradients (``chunks x params`` floats) after the gather.
+    Cost: each device holds ``chunks`` gradients (``chunks x params`` floats) after the gather,
+    which is one all-gather of every leaf flattened into one buffer (:func:`_rows`).
     """
     axis = mesh.axis_names[0]
 
@@ -125,8 +127,9 @@ def _exact_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, global
         if k == 1:
             batch, mask = jax.tree_util.tree_map(lambda x: jnp.concatenate([x, x]), (batch, mask))
         losses, grads = jax.lax.map(lambda xs: _chunk_value_and_grad(loss_fn, params, *xs), (batch, mask))
-        gather = lambda x: jax.lax.all_gather(x[:k], axis, tiled=True)[:chunks]  # drop padding chunks
-        return jax.lax.optimization_barrier(jax.tree_util.tree_map(gather, (losses, grads)))
+        flat, unflatten = _rows((losses[:k], jax.tree_util.tree_map(lambda x: x[:k], grads)))
+        gathered = jax.lax.all_gather(flat, axis, tiled=True)[:chunks]  # drop padding chunks
+        return jax.lax.optimization_barrier(unflatten(gathered))
 
     gathered = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(None, axis), P(None, axis)), out_specs=P(),
                              check_vma=False)
@@ -137,6 +140,25 @@ def _exact_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, global
         return _apply(optimizer, params, opt_state, grad_sum, loss_sum, global_batch)
 
     return step
+
+
+def _rows(tree: PyTree) -> tuple[jax.Array, Callable[[jax.Array], PyTree]]:
+    """``tree``'s leaves ``[k, ...]`` as one ``[k, n]`` array (in one dtype every leaf's
+    converts to exactly, e.g. bfloat16 and float32 -> float32), and the inverse for any
+    leading size: the exact reduction gathers one buffer, so a step runs one gloo collective
+    instead of one per leaf (each is another chance for peers to fall out of step when a
+    member dies mid-step)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    dtype = jnp.result_type(*leaves)
+    sizes = [int(np.prod(x.shape[1:], dtype=np.int64)) for x in leaves]
+    flat = jnp.concatenate([x.reshape(x.shape[0], -1).astype(dtype) for x in leaves], axis=1)
+
+    def unflatten(rows: jax.Array) -> PyTree:
+        parts = jnp.split(rows, np.cumsum(sizes)[:-1], axis=1)
+        return jax.tree_util.tree_unflatten(treedef, [
+            part.reshape((rows.shape[0],) + x.shape[1:]).astype(x.dtype) for part, x in zip(parts, leaves)])
+
+    return flat, unflatten
 
 
 def _fold(tree: PyTree) -> PyTree:

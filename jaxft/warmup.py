@@ -4,7 +4,7 @@ When a member dies, the survivors retry the step on a smaller mesh, whose progra
 compiled (or loaded from the persistent cache) first: on CPU that was most of what a
 failure cost them (0.6-1.8 s with four processes on two cores, 3.5 s for a width never
 seen). The likely next meshes are known in advance: the current members less any one of
-them (each followed by those less a member and its successor, see :func:`shrinks`).
+them (then those less a member and its successor, see :func:`shrinks`).
 :class:`Warmer` lowers and compiles the step for each of those in one daemon thread of
 process 0 after the members change. jax writes persistent-cache entries from process 0
 only, and process 0 can compile for devices it does not hold, so every entry one failure
@@ -81,18 +81,17 @@ class Warmer:
 
 def shrinks(members: Sequence[int], min_members: int = 1) -> list[tuple[int, ...]]:
     """The member sets a failure away from ``members``: less one process (the highest first),
-    each followed by that set less the process's successor too (cyclically: when a member dies
-    inside gloo's ring all-reduce, its successor is the survivor seen left in a pending send,
-    which then leaves as well, see :mod:`jaxft.hang`); none below ``min_members``."""
+    then less a process and its successor too (cyclically: when a member dies inside gloo's
+    ring all-reduce, its successor is the survivor gloo may leave in a pending send or abort,
+    see :mod:`jaxft.runner`); none below ``min_members``. The single failures come first: since
+    a member left in a doomed step's program leaves the program instead of the run
+    (:mod:`jaxft.runner`), the retry after a kill is almost always the set less the dead one."""
     members = sorted(members)
     n = len(members)
     if n - 1 < max(1, min_members):
         return []
-    pairs = n - 2 >= max(1, min_members)
-    out: list[tuple[int, ...]] = []
-    for i in reversed(range(n)):
-        out.append(tuple(p for p in members if p != members[i]))
-        if pairs:
-            gone = {members[i], members[(i + 1) % n]}
-            out.append(tuple(p for p in members if p not in gone))
-    return out
+    singles = [tuple(p for p in members if p != members[i]) for i in reversed(range(n))]
+    if n - 2 < max(1, min_members):
+        return singles
+    pairs = [tuple(p for p in members if p not in {members[i], members[(i + 1) % n]}) for i in reversed(range(n))]
+    return singles + pairs

@@ -193,4 +193,31 @@ def test_the_votes_ride_in_the_steps_own_all_reduce():
     assert r.returncode == 0, r.describe()
     rows = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines() if line.strip()}
     assert rows["allreduce"] == ["all-reduce", "0,1,0,1"], rows
-    assert rows["exact"][1] == "0,1,0,1", rows  # (the exact reduction all-gathers: more than one collective)
+    # the exact reduction: one all-gather of every leaf flattened (trainer._rows), the votes beside it
+    assert rows["exact"] == ["all-reduce,all-gather", "0,1,0,1"], rows
+
+
+def test_a_joiner_that_dies_in_its_admission_step_does_not_hold_the_members_in_gloo(reference, tmp_path):
+    # Process 2 dies at step 6; its restart dies again in its admission step, after the rebuild's
+    # barriers, before its first collective there (phase admitted, at the step it holds: 0).
+    # The members' gloo rendezvous over the new list ran right after the barrier
+    # (jaxft.rendezvous), so their next collective fails on the broken connection instead of
+    # waiting gloo's 30 s for a rendezvous key the dead process never wrote.
+    out = tmp_path / "final"
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), "--admission", "ready", "--step_sleep", "0.1", *EXACT,
+                         "--final_params", str(out), restart="on-failure",
+                         faults=["kill:process=2:step=6", "kill:process=2:step=0:phase=admitted"])
+    why = proc.describe()
+    assert proc.returncode == 0, why
+    kills = sorted(of(events, "fault", process=2), key=lambda e: e["time"])
+    assert [k["phase"] for k in kills] == ["after-grad", "admitted"], kills
+    failed = [e for e in of(events, "step_failed") if e["time"] > kills[1]["time"] and e["process"] != 2]
+    assert failed and all(2 in e["failed"] for e in failed), failed
+    assert not [e for e in failed if "timed out" in e["cause"]], failed  # gloo's GetKeyValue() timed out
+    by_step = commits_by_step(events)
+    assert sorted(by_step) == list(range(STEPS))
+    # (the third incarnation rejoins, or exits 0 if the run finished as it came up)
+    assert of(events, "exit", process=2, incarnation=2, code=0), why
+    f = finals(events)
+    assert {0, 1} <= {e["process"] for e in f} and len({e["params_sha256"] for e in f}) == 1, f
+    assert_bitwise(load(out / "final-p0.npz"), reference)

@@ -59,10 +59,10 @@ def test_a_step_compiled_ahead_is_not_compiled_again():
 
 
 def test_shrinks_are_the_sets_one_failure_away():
-    # each followed by a death and its successor (gloo's ring leaves the successor stuck: it leaves too)
-    assert warmup.shrinks([0, 1, 2, 3]) == [(0, 1, 2), (1, 2), (0, 1, 3), (0, 1), (0, 2, 3), (0, 3),
-                                            (1, 2, 3), (2, 3)]
-    assert warmup.shrinks([0, 1, 2]) == [(0, 1), (1,), (0, 2), (0,), (1, 2), (2,)]
+    # then a death and its successor (gloo's ring may leave the successor aborted or stuck)
+    assert warmup.shrinks([0, 1, 2, 3]) == [(0, 1, 2), (0, 1, 3), (0, 2, 3), (1, 2, 3),
+                                            (1, 2), (0, 1), (0, 3), (2, 3)]
+    assert warmup.shrinks([0, 1, 2]) == [(0, 1), (0, 2), (1, 2), (1,), (0,), (2,)]
     assert warmup.shrinks([0, 1, 2, 3], min_members=3) == [(0, 1, 2), (0, 1, 3), (0, 2, 3), (1, 2, 3)]
     assert warmup.shrinks([2, 0]) == [(0,), (2,)]
     assert warmup.shrinks([0]) == []
