@@ -83,7 +83,9 @@ class HangMonitor:
         self.poll_s = poll_s
         self._lock = threading.Lock()
         self._phase, self._since, self._long = "setting up", time.monotonic(), True
-        self._step_starts: list[float] = []
+        self._step_times: list[float] = []  # start-to-start seconds of recent steps, not long ones
+        self._last_start: float | None = None
+        self._step_long = False  # the step in progress compiles or rehydrates
         self._busy = 0
         self._finished = False
         self._doomed: tuple[float, float, str] | None = None  # (step's _since, when, why)
@@ -105,7 +107,9 @@ class HangMonitor:
         """A step's body begins (its start times give the median step time)."""
         now = time.monotonic()
         with self._lock:
-            self._step_starts = (self._step_starts + [now])[-21:]
+            if self._last_start is not None and not self._step_long:  # a compile is no step time
+                self._step_times = (self._step_times + [now - self._last_start])[-20:]
+            self._last_start, self._step_long = now, False
             self._phase, self._since, self._long = "in a step", now, self._long and self._phase == "in a step"
 
     def doomed(self, why: str) -> None:
@@ -120,14 +124,15 @@ class HangMonitor:
     def doomed_deadline(self) -> float:
         """``max(Timeouts.stuck, DOOMED_STEP_FACTOR x the recent median step)``."""
         with self._lock:
-            starts = list(self._step_starts)
-        median = statistics.median(b - a for a, b in zip(starts, starts[1:])) if len(starts) >= 3 else 0.0
+            times = list(self._step_times)
+        median = statistics.median(times) if len(times) >= 2 else 0.0
         return max(self.timeouts.stuck, DOOMED_STEP_FACTOR * median)
 
     def long_step(self) -> None:
-        """This step compiles or rehydrates: bound it by ``Timeouts.setup``."""
+        """This step compiles or rehydrates: bound it by ``Timeouts.setup`` (and keep its
+        length out of the median step time)."""
         with self._lock:
-            self._long = True
+            self._long = self._step_long = True
 
     def finished(self, value: bool = True) -> None:
         """The run is over (nobody will wait for this process any more), or a new one starts."""
@@ -147,10 +152,10 @@ class HangMonitor:
 
     def deadline(self) -> float:
         with self._lock:
-            starts, long = list(self._step_starts), self._long
-        if long or len(starts) < 3:
+            times, long = list(self._step_times), self._long
+        if long or len(times) < 2:
             return self.timeouts.setup
-        median = statistics.median(b - a for a, b in zip(starts, starts[1:]))
+        median = statistics.median(times)
         # A member inside a collective with a dead peer legitimately waits until the collective
         # fails (Timeouts.collective) and the service declares the peer dead (heartbeat).
         patience = self.timeouts.collective + self.timeouts.heartbeat + 1.0
