@@ -7,10 +7,11 @@ setting). A member that dies after its peers passed the last barrier and before 
 its key leaves them in that read for 30 s, out of reach of jaxft's death watch (they are
 inside one C++ call). Before, the window was everything a step did before its first
 collective: building the batch, loading or compiling the step, the rejoin transfer (0.2 s
-and more). :func:`connect` runs a one-element all-reduce over the list right after the
-barrier, from a program compiled before it, so the keys are written within microseconds
-of the barrier, and the step's own collectives reuse the connected communicator (gloo caches
-it per device list). A list within one process has no rendezvous (nothing is compiled).
+and more). The function :func:`compile_for` returns runs a one-element all-reduce over the
+list; called right after the barrier, from a program compiled before it, it writes the keys
+within microseconds of the barrier, and the step's own collectives reuse the connected
+communicator (gloo caches it per device list). A list within one process has no
+rendezvous (nothing is compiled).
 """
 
 from __future__ import annotations
@@ -51,4 +52,3 @@ def compile_for(devices: Sequence[jax.Device]) -> Connect:
         logger.debug("gloo rendezvous over %d devices: %.4f s", len(devices), time.monotonic() - t0)
 
     return connect
-
