@@ -94,7 +94,8 @@ class StepRunner:
         w.go.release()
         w.done.acquire()
         with self._lock:
-            state, (kind, value), w.job = w.state, w.result, None
+            state, (kind, value) = w.state, w.result
+            w.job, w.result = None, ("done", None)  # (holds no program output or error past its step)
         if state == "abandoned":
             raise Abandoned(w.why)
         if kind == "done":

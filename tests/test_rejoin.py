@@ -37,6 +37,7 @@ def check_run(events, reference, restarts, n=3, why=""):
         assert donor_commits, "the donor must hold the latest committed step"
 
 
+@pytest.mark.soak  # time budget: process 0's restart and rejoin is in test_survival.py, many restarts in the soak
 def test_three_restarts_including_process_0(reference, tmp_path):
     faults = ["kill:process=0:step=5", "kill:process=1:step=12", "kill:process=0:step=20"]
     proc, events = train(tmp_path, MLP, "--steps", str(STEPS), *EXACT, faults=faults, restart="on-failure")
