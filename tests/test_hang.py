@@ -78,3 +78,26 @@ def test_a_member_still_in_a_step_whose_member_died_leaves_its_program(tmp_path)
     data["stuck_in_doomed_step"] = {"kill_to_commit_s": round(step8 - kill["time"], 2), "stuck_s": left["stuck_s"],
                                     "deadline_s": left["deadline_s"]}
     FIGURES.write_text(json.dumps(data, indent=2))
+
+
+@pytest.mark.soak  # time budget (29 s); the default suite has the abandonment above
+def test_a_member_stuck_outside_its_program_in_a_doomed_step_leaves_the_run(tmp_path):
+    # The fallback of the test above: process 2 is stuck in step 8 after its program (its main
+    # thread sleeps at after-grad), not in the program, when process 1 dies there; it has no
+    # program to leave, so once 0 and 3 wait for it it exits 76 and rejoins after its restart.
+    r = launch(4, [PYTHON, MLP, "--steps", "40", "--step_sleep", "0.25", "--hidden", "16", "--admission", "ready"],
+               "--restart", "on-failure", "--heartbeat-timeout", "3",
+               "--fault", "kill:process=1:step=8:phase=after-grad",
+               "--fault", "hang:process=2:step=8:phase=after-grad:for=60s", run_dir=tmp_path, timeout=240)
+    assert r.returncode == 0, r.describe()
+    ev = events(tmp_path)
+    (hung,) = [e for e in by_event(ev, "hung", process=2, incarnation=0) if e.get("source") != "launcher"]
+    assert "member(s) [1] died" in hung["phase"] and hung["waiting"], hung
+    assert not by_event(ev, "abandoned"), by_event(ev, "abandoned")
+    assert by_event(ev, "exit", process=2, incarnation=0, code=76), "the launcher saw the exit"
+    by_step = commits_by_step(ev)
+    assert sorted(by_step) == list(range(40))
+    assert {tuple(c["members"]) for c in by_step[8]} == {(0, 3)}, by_step[8]
+    f = finals(ev)
+    assert len(f) == 4 and len({x["params_sha256"] for x in f}) == 1, f
+    assert by_event(ev, "rehydrated", process=2) and by_event(ev, "rehydrated", process=1), "both rejoined"
