@@ -20,8 +20,11 @@ def test_guide_survive_keeps_training_on_survivors(tmp_path):
 
 
 def test_guide_recover_and_report(tmp_path):
-    proc, ev = train(tmp_path, str(EXAMPLES / "guide_recover.py"), "--steps", "20",
-                     faults=["kill:process=0:step=6"], restart="on-failure")
+    # The survivors' 17 steps after the kill take >= 5 s, past the ~2.6 s the restart needs to
+    # connect (then, with connect admission, they wait for it): without the sleep they once
+    # finished the run 20 ms before it connected, and it exited 0 without rejoining.
+    proc, ev = train(tmp_path, str(EXAMPLES / "guide_recover.py"), "--steps", "20", "--step_sleep", "0.3",
+                     faults=["kill:process=0:step=2"], restart="on-failure")
     assert proc.returncode == 0, proc.describe()
     f = finals(ev)
     assert len(f) == 3 and len({e["params_sha256"] for e in f}) == 1
