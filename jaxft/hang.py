@@ -32,7 +32,10 @@ wait from outside, so such a member leaves instead: still inside the doomed step
 waits for it, it leaves the step's program running in its worker thread and fails the step
 like the others (:mod:`jaxft.runner`; the ``abandoned`` event); if its main thread is not
 waiting for a program (stuck elsewhere) or has not left the step :data:`ABANDON_GRACE_S`
-later, it exits :data:`EXIT_HUNG` like a hung process and rejoins after its restart.
+later, it exits :data:`EXIT_HUNG` like a hung process and rejoins after its restart. A long
+step (one that admits a joiner or compiles) is left the same way from its program, but never
+ended by that exit: its main thread may be compiling (seen: a joiner killed in its admission
+step held every survivor until the 5 s collective timeout).
 If every member is stuck, nobody waits and nobody leaves (the collective timeout ends it).
 
 A process stuck in native code that holds the GIL cannot run this thread; the others'
@@ -202,7 +205,7 @@ class HangMonitor:
                 doomed = self._doomed
             if busy or finished or phase == "at a barrier":
                 continue
-            if doomed is not None and doomed[0] == since and not long:
+            if doomed is not None and doomed[0] == since:
                 stuck = time.monotonic() - doomed[1]
                 deadline = self.doomed_deadline()
                 if stuck > deadline:
@@ -213,10 +216,13 @@ class HangMonitor:
                         if self.abandon(info):  # the main thread leaves the program; it should be
                             self._abandoned_at = time.monotonic()  # out of the step at once
                             continue
-                    if waiters and (self._abandoned_at is None
-                                    or time.monotonic() - self._abandoned_at > ABANDON_GRACE_S):
+                    # A long step (an admission, a compile) is left only from its program: its
+                    # main thread may be compiling, which is not a hang; Timeouts.setup bounds it.
+                    if not long and waiters and (self._abandoned_at is None
+                                                 or time.monotonic() - self._abandoned_at > ABANDON_GRACE_S):
                         self._die(f"{phase} whose {doomed[2]}", stuck, deadline, waiters, setting="stuck")
-                continue
+                if not long:
+                    continue
             elapsed = time.monotonic() - since
             deadline = self.deadline()
             if elapsed <= deadline:

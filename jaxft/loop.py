@@ -229,6 +229,8 @@ class ElasticLoop:
         # The last step's replicated outputs, reused while the members and the state stay the same.
         self._global: tuple | None = None  # (device ids, ids of the local leaves, global state)
         self.executables = executables_lib.Executables(executables_lib.shared_dir(), reference=self._reference_program)
+        self._runner = runner_lib.StepRunner()
+        self.group.on_reset(before=self._drain_programs)  # first: nothing may run under the rebuild
         self.group.on_reset(before=self._state_to_host, after=self._after_reset)
         self.group.before_admission(self._prepare_admission)
         self.precompile = precompile
@@ -237,7 +239,6 @@ class ElasticLoop:
         self._precompiled: set[tuple[int, ...]] = set()  # member sets compiled ahead in this life
         self._leaks_logged = 0
         self._batch_template: PyTree | None = None  # shapes and dtypes of a host global batch
-        self._runner = runner_lib.StepRunner()
 
     @property
     def global_batch(self) -> int:
@@ -255,14 +256,16 @@ class ElasticLoop:
         self.events.log("abandoned", step=self.step, **info)
         return True
 
-    def _state_to_host(self) -> None:
-        # No program may run under the backend rebuild that follows: an abandoned one ends
-        # when gloo's collective timeout fires.
+    def _drain_programs(self) -> None:
+        """Before a backend rebuild: wait for step programs this process left (an abandoned
+        one ends when gloo's collective timeout fires); exit to rejoin past that bound."""
         bound = self.group.timeouts.collective + 2.0
         if not self._runner.drain(bound):
             logger.error("process %d: a step program it left is still running after %.0f s; exiting to rejoin",
                          self.group.process_id, bound)
             os._exit(EXIT_HUNG)
+
+    def _state_to_host(self) -> None:
         self._global = None
         self.state = to_host(self.state)
 
@@ -550,4 +553,5 @@ class ElasticLoop:
             s = self.state
             tree = s["params"] if isinstance(s, dict) and "params" in s else getattr(s, "params", s)
         return self.events.log("final", step=self.step, params_sha256=transfer.tree_sha256(tree),
-                               params_norm=transfer.tree_norm(tree), loss=self.last_loss)
+                               params_norm=transfer.tree_norm(tree), loss=self.last_loss,
+                               abandoned_programs=self._runner.abandoned_total)

@@ -240,3 +240,15 @@ def commits_by_step(evts: list[dict]) -> dict[int, list[dict]]:
 def rel(a: float, b: float) -> float:
     """Relative difference of ``a`` from ``b``."""
     return abs(a - b) / max(abs(b), 1e-12)
+
+
+def check_agreed_run(evts: list[dict], steps: int, n: int) -> dict[int, list[dict]]:
+    """Every step 0..steps-1 committed with one member set, and ``n`` finals with one
+    ``params_sha256``; returns the commits by step."""
+    by_step = commits_by_step(evts)
+    assert sorted(by_step) == list(range(steps)), sorted(by_step)
+    for step, commits in by_step.items():
+        assert len({tuple(c["members"]) for c in commits}) == 1, f"step {step}: members disagree: {commits}"
+    f = finals(evts)
+    assert len(f) == n and len({x["params_sha256"] for x in f}) == 1, f
+    return by_step

@@ -4,11 +4,12 @@ launcher restarts it, the others go on without it, and it rejoins. Real processe
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 
-from helpers import MLP, PYTHON, by_event, commits_by_step, events, finals, launch
+from helpers import MLP, PYTHON, by_event, check_agreed_run, events, launch
 
 FIGURES = Path(os.environ.get("JAXFT_TEST_FIGURES_HANG", "/tmp/jaxft-hang-figures.json"))
 
@@ -31,12 +32,7 @@ def test_hung_worker_is_stopped_and_the_others_go_on(tmp_path, phase):
     (fault,) = by_event(ev, "fault", process=2)
     later = sorted(e["time"] for e in by_event(ev, "commit") if e["time"] > fault["time"] and 2 not in e["members"])
     assert later, "the others committed no step without the hung process"
-    by_step = commits_by_step(ev)
-    assert sorted(by_step) == list(range(40))
-    for step, commits in by_step.items():
-        assert len({tuple(c["members"]) for c in commits}) == 1, (step, commits)
-    f = finals(ev)
-    assert len(f) == 4 and len({x["params_sha256"] for x in f}) == 1, f
+    check_agreed_run(ev, 40, 4)
     assert by_event(ev, "rehydrated", process=2), "the restarted process rejoined"
     data = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
     data[phase] = {"hang_to_next_commit_s": round(later[0] - fault["time"], 2), "stuck_s": hung["stuck_s"],
@@ -64,13 +60,9 @@ def test_a_member_still_in_a_step_whose_member_died_leaves_its_program(tmp_path)
     assert not by_event(ev, "hung"), by_event(ev, "hung")
     assert not by_event(ev, "restart", process=2), "process 2 never left the run"
     assert [e.get("code") for e in by_event(ev, "exit", process=2)] == [0]
-    by_step = commits_by_step(ev)
-    assert sorted(by_step) == list(range(50))
+    by_step = check_agreed_run(ev, 50, 4)
+    assert {f["process"]: f["abandoned_programs"] for f in by_event(ev, "final")} == {0: 0, 1: 0, 2: 1, 3: 0}
     assert {tuple(c["members"]) for c in by_step[8]} == {(0, 2, 3)}, by_step[8]  # the retry went on with 2
-    for step, commits in by_step.items():
-        assert len({tuple(c["members"]) for c in commits}) == 1, (step, commits)
-    f = finals(ev)
-    assert len(f) == 4 and len({x["params_sha256"] for x in f}) == 1, f
     assert by_event(ev, "rehydrated", process=1), "process 1 rejoined (the rebuild waited for 2's left program)"
     (kill,) = by_event(ev, "fault", process=1)
     step8 = min(c["time"] for c in by_step[8])
@@ -95,9 +87,36 @@ def test_a_member_stuck_outside_its_program_in_a_doomed_step_leaves_the_run(tmp_
     assert "member(s) [1] died" in hung["phase"] and hung["waiting"], hung
     assert not by_event(ev, "abandoned"), by_event(ev, "abandoned")
     assert by_event(ev, "exit", process=2, incarnation=0, code=76), "the launcher saw the exit"
-    by_step = commits_by_step(ev)
-    assert sorted(by_step) == list(range(40))
+    by_step = check_agreed_run(ev, 40, 4)
     assert {tuple(c["members"]) for c in by_step[8]} == {(0, 3)}, by_step[8]
-    f = finals(ev)
-    assert len(f) == 4 and len({x["params_sha256"] for x in f}) == 1, f
     assert by_event(ev, "rehydrated", process=2) and by_event(ev, "rehydrated", process=1), "both rejoined"
+
+
+@pytest.mark.parametrize("long", [False, True])
+def test_a_doomed_step_is_left_from_its_program_also_when_it_is_long(long):
+    # The monitor's rules in one process (its peers' waiting is the only thing stood in for):
+    # a doomed step's program is left once others wait; a long step (an admission, a compile)
+    # too, but when its main thread is not waiting for a program, that is no hang.
+    from jaxft.hang import HangMonitor
+    from jaxft.timeouts import Timeouts
+
+    monitor = HangMonitor(0, Timeouts(), poll_s=0.05)
+    monitor._others_waiting = lambda: ["process 1 (leaving a step)"]
+    died, left = [], []
+    monitor._die = lambda *a, **k: died.append(a)
+    in_program = [False]
+    monitor.abandon = lambda info: left.append(info) or in_program[0]
+    monitor.step_started()
+    if long:
+        monitor.long_step()
+    monitor.doomed("member(s) [2] died")  # not waiting for a program (compiling, say)
+    time.sleep(1.0)
+    assert left, "the monitor tried to leave the doomed step"
+    assert bool(died) == (not long), died  # a long step is not ended as stuck
+    in_program[0] = True  # now the main thread waits for its program
+    n = len(left)
+    deadline = time.monotonic() + 2
+    while len(left) == n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(left) > n and "died" in left[-1]["phase"], left
+    monitor.finished()
