@@ -263,15 +263,56 @@ def serialize_compiled(compiled: Any) -> tuple:
     return serialize_executable.serialize(compiled)
 
 
-def load_compiled(blob: tuple, devices: Sequence[Any]) -> Any:
+def load_compiled(blob: tuple, devices: Sequence[Any], compiled_for: Sequence[int] | None = None) -> Any:
     """:func:`serialize_compiled`'s bytes loaded into the current backend, to run on ``devices``
     (the program's device assignment, in its order: a mesh's devices; jax's default, every
-    device of the backend, is wrong for a program over a subset of them)."""
+    device of the backend, is wrong for a program over a subset of them).
+
+    ``compiled_for``: the ids of the devices the program was compiled for, when they are not
+    ``devices``' (as many): the program is loaded for ``devices`` instead, its device
+    assignment replaced. Sound only for a program that lowers to the same module for both
+    device lists (the caller checks); jax does the same with its persistent cache on GPU,
+    whose entries are keyed without the device assignment and loaded with the caller's.
+
+    Private (that case only): ``jax.experimental.serialize_executable._JaxPjrtUnpickler``
+    (its device table remapped: the pickled shardings name devices by id) and
+    ``jax._src.compiler.get_compile_options`` (the options jax compiles a 1-D SPMD program
+    with, given the new assignment, passed to ``Client.deserialize_executable`` as jax's
+    persistent cache does). No public API loads an executable for other devices.
+    """
     import jax
     from jax.experimental import serialize_executable
 
-    return serialize_executable.deserialize_and_load(*blob, backend=jax.devices()[0].client,
-                                                     execution_devices=list(devices))
+    devices = list(devices)
+    client = jax.devices()[0].client
+    if compiled_for is None or [d.id for d in devices] == list(compiled_for):
+        return serialize_executable.deserialize_and_load(*blob, backend=client, execution_devices=devices)
+    if len(compiled_for) != len(devices):
+        raise ValueError(f"a program for {len(compiled_for)} devices cannot run on {len(devices)}")
+    import io
+
+    import numpy as np
+    from jax._src import compiler
+
+    options = compiler.get_compile_options(num_replicas=1, num_partitions=len(devices),
+                                           device_assignment=np.array(devices, dtype=object).reshape(1, -1),
+                                           backend=client)
+
+    class Reassigning(serialize_executable._JaxPjrtUnpickler):
+        def __init__(self, file):
+            super().__init__(file, client, devices)
+            self.devices_by_id = dict(zip(compiled_for, devices))
+
+        def persistent_load(self, pid):
+            if pid[0] == "exec":
+                return client.deserialize_executable(pid[1], executable_devices=self.execution_devices,
+                                                     compile_options=options)
+            return super().persistent_load(pid)
+
+    serialized, in_tree, out_tree = blob
+    unloaded, args_info_flat, no_kwargs = Reassigning(io.BytesIO(serialized)).load()
+    return jax.stages.Compiled(unloaded.load(), [], in_tree.unflatten(args_info_flat), out_tree,
+                               no_kwargs=no_kwargs)
 
 
 _compile_hits = None  # a threading.local counting this thread's persistent-cache hits

@@ -18,6 +18,17 @@ tracing either. (The hash of a process's own first program would not do: a joine
 program is for the mesh it joins, and then it could read none of the others' programs;
 seen as 0.7 s admission steps where the joiner compiled what process 0 had compiled ahead.)
 
+A program is compiled once per mesh *width* (and argument signature), not once per device
+set: on CPU, the step for devices (0, 2, 3) lowers to the same module as for (1, 2, 3) (the
+mesh names devices by position), so a program kept for one loads for the other with its
+device assignment replaced (:func:`jaxft._compat.load_compiled`), after checking that the
+two lower alike (the hash of the lowered module; ~0.1 s of tracing against a compile of
+seconds). A thread that needs a program while another thread of this process compiles one
+of the same width and signature waits for that compile instead of compiling beside it: the
+warm-up compiles one program per width, and a retry that needs a width the warm-up is
+compiling takes its program (measured: the first kill's retry compiled its width-3 program
+in 5.3 s while the warm-up compiled another width-3 set beside it, see README).
+
 Loading is an optimisation only: any failure to serialize, write, read or load is logged
 and the program is compiled as before. Programs are loaded only from the run's own
 directory, written by its own processes (a serialized executable can run arbitrary code).
@@ -25,6 +36,7 @@ directory, written by its own processes (a serialized executable can run arbitra
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -61,6 +73,28 @@ def key(mesh_ids: tuple[int, ...], args: Sequence[Any]) -> Key:
     return (tuple(mesh_ids), signature(args))
 
 
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A kept step program: ``blob`` (:func:`jaxft._compat.serialize_compiled`'s bytes),
+    ``compiled_for`` (the device ids the bytes were compiled for: a program loaded for
+    other devices keeps its source's) and ``module`` (hash of its lowered module; None if
+    unknown)."""
+
+    blob: tuple
+    compiled_for: tuple[int, ...]
+    module: str | None
+
+
+def module_hash(lowered: Any) -> str:
+    """What two programs must share to run one's executable for the other's devices."""
+    return hashlib.sha256(lowered.as_text().encode()).hexdigest()[:32]
+
+
+def _same_shape(a: Key, b: Key) -> bool:
+    """Programs for as many devices with the same argument signature."""
+    return len(a[0]) == len(b[0]) and a[1] == b[1]
+
+
 class Executables:
     """One process's step programs, by mesh and argument signature.
 
@@ -81,11 +115,14 @@ class Executables:
         self._lock = threading.Lock()  # the warm-up thread adds programs too
         self._loaded: dict[Key, Any] = {}  # for the current backend
         self._last: dict[tuple[int, ...], Any] = {}  # the program the last call on each mesh ran
-        self._blobs: dict[Key, tuple] = {}  # serialized: (bytes, in_tree, out_tree)
-        self._busy: dict[Key, threading.Event] = {}  # being compiled by a thread of this process
+        self._blobs: dict[Key, Program] = {}  # serialized
+        self._busy: dict[Key, threading.Event] = {}  # being made by a thread of this process
+        self._compiling: dict[Key, threading.Event] = {}  # being compiled by XLA (never waiting)
+        self.reassign: bool | None = None  # load a same-width program for other devices (CPU; None: not known yet)
         self._fingerprint: str | None = None
         self.loads = 0  # programs loaded from bytes (this process's or shared) instead of compiled
         self.compiles = 0
+        self.reassigned = 0  # of the loads: programs compiled for other devices of the same width
 
     def reset(self) -> None:
         """The backend was rebuilt: loaded programs belong to the old one; the bytes stay."""
@@ -158,16 +195,56 @@ class Executables:
                 if exe is not None:
                     return exe  # its bytes are kept already
                 marker = self._mark(key)
-            exe, fresh = _compat.compile_fresh(lowered)
-            self.compiles += 1
-            if fresh:
+            if self.reassign is None:
+                self.reassign = jax.devices()[0].platform == "cpu"
+            module = module_hash(lowered) if self.reassign else None
+            exe = self._reassigned(key, module) if module is not None else None
+            if exe is not None:
+                return exe
+            done = threading.Event()
+            with self._lock:
+                self._compiling[key] = done
+            try:
+                exe, fresh = _compat.compile_fresh(lowered)
+                self.compiles += 1
+                if fresh:
+                    with self._lock:
+                        self._keep(key, exe, module)  # the file first, then the marker goes
+            finally:
                 with self._lock:
-                    self._keep(key, exe)  # the file first, then the marker goes
+                    self._compiling.pop(key, None)
+                done.set()
             return exe
         finally:
             if marker is not None:
                 with _suppress():
                     os.unlink(marker)
+
+    def _reassigned(self, key: Key, module: str) -> Any:
+        """``key``'s program from a kept program of the same width that lowers to the same
+        ``module`` for other devices, loaded for ``key``'s devices (None: there is none). While
+        another thread of this process compiles one of the same width and signature, wait for
+        it rather than compile beside it."""
+        give_up = time.monotonic() + self.wait_s
+        while True:
+            with self._lock:
+                source = next((p for k, p in self._blobs.items()
+                               if len(k[0]) == len(key[0]) and p.module == module), None)
+                pending = [e for k, e in self._compiling.items() if _same_shape(k, key)]
+            if source is not None or not pending or time.monotonic() > give_up:
+                break
+            pending[0].wait(max(0.0, give_up - time.monotonic()))
+        if source is None:
+            return None
+        with self._lock:
+            program = Program(source.blob, source.compiled_for, module)
+            exe = self._load(key, program)
+            if exe is not None:
+                self.reassigned += 1
+                self._blobs.pop(key, None)
+                self._keep_program(key, program)  # and in the directory, for the other processes
+                self._loaded[key] = exe
+        return exe
 
     def _take_fingerprint(self, lowered: Any) -> None:
         """Name this process's shared programs: the hash of ``reference()`` (or, without one or
@@ -223,7 +300,7 @@ class Executables:
             time.sleep(0.01)
 
     # -- bytes ----------------------------------------------------------------------------
-    def _keep(self, key: Key, compiled: Any) -> None:
+    def _keep(self, key: Key, compiled: Any, module: str | None = None) -> None:
         if key in self._blobs:
             return
         try:
@@ -231,24 +308,31 @@ class Executables:
         except Exception as e:  # noqa: BLE001 - e.g. a program with constants: compile after rebuilds
             logger.debug("step program for %s not serializable: %s", key[0], e)
             return
-        self._blobs[key] = blob
-        if self._sharing:
-            self._write(key, blob)
+        self._keep_program(key, Program(blob, tuple(key[0]), module))
 
-    def _load(self, key: Key) -> Any:
-        blob = self._blobs.get(key)
-        if blob is None and self._sharing:
-            blob = self._read(key)
-        if blob is None:
+    def _keep_program(self, key: Key, program: Program) -> None:
+        if key in self._blobs:
+            return
+        self._blobs[key] = program
+        if self._sharing:
+            self._write(key, program)
+
+    def _load(self, key: Key, program: Program | None = None) -> Any:
+        """``key``'s program loaded from bytes: ``program``'s, else its own kept or shared ones."""
+        if program is None:
+            program = self._blobs.get(key)
+        if program is None and self._sharing:
+            program = self._read(key)
+        if program is None:
             return None
         try:
             by_id = {d.id: d for d in jax.devices()}
-            exe = _compat.load_compiled(blob, [by_id[i] for i in key[0]])
+            exe = _compat.load_compiled(program.blob, [by_id[i] for i in key[0]], program.compiled_for)
         except Exception as e:  # noqa: BLE001 - compile instead
             logger.warning("could not load the step program for devices %s (%s); compiling it", key[0], e)
             self._blobs.pop(key, None)
             return None
-        self._blobs[key] = blob
+        self._blobs.setdefault(key, program)
         self.loads += 1
         return exe
 
@@ -256,7 +340,7 @@ class Executables:
         name = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
         return os.path.join(self.directory, f"step-{self._fingerprint}-{name}.pkl")
 
-    def _write(self, key: Key, blob: tuple) -> None:
+    def _write(self, key: Key, program: Program) -> None:
         path = self._path(key)
         if os.path.exists(path):
             return
@@ -264,24 +348,24 @@ class Executables:
             os.makedirs(self.directory, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
             with os.fdopen(fd, "wb") as f:
-                pickle.dump((repr(key), blob), f, protocol=pickle.HIGHEST_PROTOCOL)
+                pickle.dump((repr(key), program), f, protocol=pickle.HIGHEST_PROTOCOL)
             os.replace(tmp, path)  # readers never see half a file
         except Exception as e:  # noqa: BLE001 - e.g. a tree node that does not pickle
             logger.debug("could not share the step program for %s: %s", key[0], e)
             with _suppress():
                 os.unlink(tmp)
 
-    def _read(self, key: Key) -> tuple | None:
+    def _read(self, key: Key) -> Program | None:
         path = self._path(key)
         try:
             with open(path, "rb") as f:
-                stored_key, blob = pickle.load(f)
+                stored_key, program = pickle.load(f)
         except FileNotFoundError:
             return None
         except Exception as e:  # noqa: BLE001 - a damaged file: compile instead
             logger.warning("unreadable shared step program %s (%s); compiling it", path, e)
             return None
-        return blob if stored_key == repr(key) else None
+        return program if stored_key == repr(key) and isinstance(program, Program) else None
 
 
 def shared_dir() -> str | None:

@@ -142,3 +142,59 @@ def test_a_waiter_gives_up_without_a_compiler_and_waits_for_one(tmp_path):
     t0 = time.monotonic()
     assert store._await_shared(key) is None
     assert 0.4 <= time.monotonic() - t0 < 2.0
+
+
+# argv: "reassign" or "compile". One program per width: a thread compiles the step for devices
+# (0, 1, 2) (the warm-up) while the main thread needs it for (1, 2, 3) (a retry), then for
+# (0, 1, 3). Prints each output's digest and the counters.
+PER_WIDTH = r'''
+import hashlib, sys, threading, time, types
+import jax, numpy as np, optax
+from jax.sharding import Mesh
+import jaxft
+from jaxft import executables
+from jaxft.bench import mlp
+from jaxft.loop import _votes_array
+
+data = jaxft.GlobalBatches(mlp.make_dataset(512), 96, seed=0)
+params = jax.tree_util.tree_map(np.asarray, mlp.init_params(0, 16, 32))
+loop = jaxft.ElasticTrainer(mlp.loss_fn, optax.adam(1e-2), params, data,
+                            group=jaxft.ElasticGroup(admission="ready")).loop
+store = loop.executables = executables.Executables(None)
+store.reassign = sys.argv[1] == "reassign"
+
+def step(ids):
+    mesh = Mesh(np.array([jax.devices()[i] for i in ids]), ("data",))
+    m = types.SimpleNamespace(devices=tuple(mesh.devices.flat), mesh=mesh, process_ids=(0,))
+    batch, mask = loop._batch(0, m)
+    args = (loop._replicated(loop.state, m), batch, mask, _votes_array(np.zeros(1, np.int32), mesh, "data"))
+    out = loop._call(mesh, loop._fn_for(mesh), args)
+    devices = sorted({s.device.id for x in jax.tree_util.tree_leaves(out[0]) for s in x.addressable_shards})
+    digest = hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(out[0]))).hexdigest()
+    print(ids, "on", devices, digest[:16])
+
+warm = threading.Thread(target=step, args=((0, 1, 2),))
+warm.start()
+while not store._compiling and warm.is_alive():
+    time.sleep(0.001)
+step((1, 2, 3))
+warm.join()
+step((0, 1, 3))
+print("counters", store.compiles, store.reassigned)
+'''
+
+
+def test_one_program_per_width_serves_every_device_set_of_that_width():
+    env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    got = {}
+    for mode in ("reassign", "compile"):
+        r = run([PYTHON, "-c", PER_WIDTH, mode], env=env, timeout=240)
+        assert r.returncode == 0, r.describe()
+        lines = [line for line in r.stdout.splitlines() if line.startswith(("(", "counters"))]
+        got[mode] = lines
+    # each set's program ran on that set's devices, with the bits of its own compile
+    assert sorted(got["reassign"][:3]) == sorted(got["compile"][:3]) and len(got["reassign"]) == 4, got
+    for ids in ("0, 1, 2", "1, 2, 3", "0, 1, 3"):
+        assert any(line.startswith(f"({ids}) on [{ids}] ") for line in got["reassign"]), (ids, got)
+    assert got["compile"][3] == "counters 3 0", got
+    assert got["reassign"][3] == "counters 1 2", got  # the retry waited for the warm-up's compile

@@ -14,7 +14,7 @@ import sys
 import jax
 import pytest
 
-from helpers import by_event, events, launch, run_python, REPO
+from helpers import REPO, by_event, clean_env, events, launch, run_python
 
 pytestmark = pytest.mark.smoke
 
@@ -305,6 +305,43 @@ def test_a_serialized_executable_loads_into_a_rebuilt_backend():
     r = run_python(SERIALIZED, timeout=120)
     assert r.returncode == 0, moved(f"a serialized executable no longer loads into a new backend: {r.describe()}")
     assert "same True" in r.stdout, moved(r.describe())
+
+
+REASSIGNED = r"""
+import jax, numpy as np
+import jax.extend.backend as jax_backend
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxft import _compat
+
+def program(ids):
+    mesh = Mesh(np.array([jax.devices()[i] for i in ids]), ("data",))
+    f = jax.jit(lambda x: (x * 2.0).sum(0),  # a sum over the sharded axis: a collective
+                in_shardings=NamedSharding(mesh, P("data")), out_shardings=NamedSharding(mesh, P()))
+    x = jax.device_put(np.arange(12.0, dtype=np.float32).reshape(3, 4) / 7, NamedSharding(mesh, P("data")))
+    return f.lower(x), x
+
+lowered_a, _ = program((1, 2, 3))
+lowered_b, xb = program((0, 2, 3))
+assert lowered_a.as_text() == lowered_b.as_text(), "the same module for both device lists"
+blob = _compat.serialize_compiled(lowered_a.compile())
+direct = np.asarray(lowered_b.compile()(xb))
+jax_backend.clear_backends()
+_, xb = program((0, 2, 3))
+loaded = _compat.load_compiled(blob, [jax.devices()[i] for i in (0, 2, 3)], compiled_for=(1, 2, 3))
+out = loaded(xb)
+print("devices", sorted(s.device.id for s in out.addressable_shards))
+print("same", np.asarray(out).tobytes() == direct.tobytes())
+"""
+
+
+def test_a_serialized_executable_loads_for_other_devices():
+    # jaxft.executables compiles one program per mesh width and signature: a program for
+    # devices (1, 2, 3) runs on (0, 2, 3) with its device assignment replaced
+    _get("jax.experimental.serialize_executable:_JaxPjrtUnpickler")
+    _get("jax._src.compiler:get_compile_options")
+    r = run_python(REASSIGNED, timeout=120, env=clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"))
+    assert r.returncode == 0, moved(f"an executable no longer loads for other devices: {r.describe()}")
+    assert "devices [0, 2, 3]" in r.stdout and "same True" in r.stdout, moved(r.describe())
 
 
 CACHE_HIT = r'''
