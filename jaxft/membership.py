@@ -205,6 +205,8 @@ class ElasticGroup:
                     self.hang.long_step()  # a compile or a rejoin: bounded by Timeouts.setup
                 yield members
             except BaseException as e:
+                if not isinstance(e, Exception):
+                    raise  # SystemExit (the SIGTERM handler's), KeyboardInterrupt: leaving, not a failed step
                 self._break_if_collective_failed(e)
                 with self._watch("leaving a failed step", publish=True):
                     if not cm.__exit__(type(e), e, e.__traceback__):
@@ -269,6 +271,9 @@ class ElasticGroup:
         finally:
             if tripwire is not None:
                 tripwire.disarm()
+        if error is not None and not isinstance(error, Exception):
+            self.hang.phase("between steps")
+            raise error  # SystemExit (the SIGTERM handler's), KeyboardInterrupt: leaving, not a failed step
         try:
             with self._watch("leaving a failed step" if error is not None else "leaving a step",
                              publish=error is not None):

@@ -41,6 +41,39 @@ def test_sigterm_ends_workers_before_the_service(tmp_path, marker):
     assert not processes_with(marker)
 
 
+# Process 1 dies inside step 1; process 0, still in that step, is told to stop (SystemExit, what
+# the SIGTERM handler raises) once the launcher has recorded the death.
+EXIT_IN_A_FAILED_STEP = r"""
+import os, sys, time
+import jaxft
+rt = jaxft.initialize()
+group = jaxft.ElasticGroup(admission=sys.argv[1])
+with group.step():
+    pass
+try:
+    with group.step():
+        if rt.process_id == 1:
+            os._exit(9)
+        time.sleep(1.5)
+        raise SystemExit(3)
+except jaxft.StepFailed as e:
+    print("step failed", sorted(e.failed), flush=True)
+    sys.exit(4)
+"""
+
+
+@pytest.mark.parametrize("admission", ["connect", "ready"])
+def test_a_stop_inside_a_step_whose_member_died_is_not_a_failed_step(tmp_path, admission):
+    # The launcher's SIGTERM reaches every worker; one already gone when another, inside the
+    # step, raises SystemExit there: that process must leave, not retry the step on its own
+    # (seen: the last worker trained alone for 20 s until the launcher's SIGKILL).
+    r = launch(2, [PYTHON, "-c", EXIT_IN_A_FAILED_STEP, admission], "--heartbeat-timeout", "3",
+               run_dir=tmp_path, timeout=120)
+    assert "step failed" not in r.stdout, r.describe()
+    codes = {e["process"]: e.get("code") for e in by_event(events(tmp_path), "exit")}
+    assert codes == {0: 3, 1: 9}, (codes, r.describe())
+
+
 def _sh(code: str) -> list[str]:
     return [PYTHON, "-c", code]
 
