@@ -245,10 +245,11 @@ class ElasticGroup:
             entry = self._committed  # the last commit's live set: no round trip
         else:
             entry = self._entry_query(client)
-        if self.process_id == min(entry) and self._published != tuple(sorted(entry)):
-            # every member got the same entry answer: the lowest one tells joiners who runs
+        if self._published != tuple(sorted(entry)):
+            # every member got the same entry answer: each tells joiners who runs, with its own
+            # heartbeat (one write per member when the members change, none in steady state)
             self._published = tuple(sorted(entry))
-            admission_lib.publish_members(self._published)
+            admission_lib.publish_members(self._published, self.process_id)
         self._committed = None  # until this step commits
         self._deaths.saw(entry)
         self._admitting.clear()
@@ -475,6 +476,13 @@ class ElasticGroup:
         if self._watcher is not None:
             self._watcher.stop()
 
+    def exit_if_finished_before_joining(self) -> None:
+        """After a failed step, in a life that has committed none: if peers finished the run
+        meanwhile, exit 0 (a cold start that waited out a barrier for members that were
+        finishing then went on alone and trained a second copy of the run, in a chaos run)."""
+        if self._agreed is None and self.run_finished():
+            _hard_exit(0, f"jaxft: the run finished before process {self.process_id} committed a step; exiting 0")
+
     def run_finished(self) -> bool:
         """Whether peers finished the run this process is in: a run that ended at a step at or
         past :attr:`target` (a later ``run()`` to more steps in the same job is another run),
@@ -540,8 +548,7 @@ class ElasticGroup:
         members = sorted(current)
         namespace = f"jaxft/reset/{digest}-{attempt}"
         if self.process_id == members[0]:
-            # process 0 rewrites the global topology when it rebuilds
-            _compat.delete_stale_cpu_keys(kv.client(), topology=0 in current)
+            _compat.delete_stale_cpu_keys(kv.client(), topology=False)
             if self._last_reset_ns is not None:  # every member passed it before this reset began
                 kv.delete_dir(self._last_reset_ns)
         self._last_reset_ns = namespace
@@ -564,6 +571,14 @@ class ElasticGroup:
             self._used.clear()
             self._suspect.clear()
             self._old_backend = (weakref.ref(jax.devices()[0].client), time.monotonic())
+            if self.process_id == 0:
+                # Process 0's new backend writes the global topology again (the old copy would
+                # fail it with ALREADY_EXISTS): delete that copy only now, past the barrier. A
+                # process starting its backend meanwhile waits for the key; deleted before the
+                # barrier, while a rebuild that failed on a death left it unwritten, a restarted
+                # process waited in its start-up for it, and the members waited for that process
+                # at their next step (until the 2 min topology timeout: 180 s test runs).
+                _compat.delete_global_topology_key(kv.client())
             jax_backend.clear_backends()
             jax.devices()  # rebuild now, inside the step
             t2 = time.monotonic()
