@@ -44,10 +44,11 @@ ADMIT_PREFIX = "jaxft/admit/"
 MEMBERS_KEY = "jaxft/members"
 
 
-def publish_members(process_ids: Sequence[int]) -> None:
-    """Record the current members and the writer's heartbeat nonce (when the members change)."""
+def publish_members(process_ids: Sequence[int], writer: int) -> None:
+    """Record the current members and the writer's heartbeat nonce (each member, when the
+    members change: a joiner takes the run for gone only when none of them beats)."""
     value = json.dumps({"pids": sorted(process_ids), "time": time.time(), "beat": kv.Heartbeat.get().nonce})
-    kv.client().key_value_set(f"{MEMBERS_KEY}/{min(process_ids)}", value, allow_overwrite=True)
+    kv.client().key_value_set(f"{MEMBERS_KEY}/{writer}", value, allow_overwrite=True)
 
 
 def started_without(process_id: int, every_s: float = 0.25) -> Callable[[], bool]:
@@ -142,28 +143,35 @@ class Joiner:
 
     def running_members(self, settle_s: float) -> list[int] | None:
         """The member list of a running job, or None when no member heartbeats (cold start)."""
-        latest = self._latest_members()
-        if latest is None:
+        pids, first = self._member_beats()
+        if pids is None:
             return None
-        c = kv.client()
-        key = kv.Heartbeat.key(latest["beat"])
-        first = _try_get(c, key)
         deadline = time.monotonic() + settle_s
         while time.monotonic() < deadline:
             time.sleep(0.1)
-            if _try_get(c, key) != first:
-                return list(latest["pids"])
+            now_pids, now = self._member_beats()
+            if now_pids != pids:
+                return now_pids  # the members moved on: they run
+            if any(now[b] != v for b, v in first.items()):
+                return pids
         return None
 
-    def _latest_members(self) -> dict | None:
-        """The newest member list the members published (with the publisher's heartbeat)."""
+    def _member_beats(self) -> tuple[list[int] | None, dict[str, str | None]]:
+        """The newest member list the members published, and the heartbeat counter of each
+        member that published it (any of them beating: the run goes on; only the lowest
+        member's was watched before, and a joiner that came up while it died, the others
+        stuck in a 60 s save barrier, took the run for gone and started a second copy of it
+        from the checkpoint)."""
         try:
             entries = kv.client().key_value_dir_get(f"{MEMBERS_KEY}/")
         except Exception:  # noqa: BLE001
-            return None
-        if not entries:
-            return None
-        return max((json.loads(v) for _, v in entries), key=lambda r: r["time"])
+            return None, {}
+        records = [json.loads(v) for _, v in entries or ()]
+        if not records:
+            return None, {}
+        pids = max(records, key=lambda r: r["time"])["pids"]
+        c = kv.client()
+        return list(pids), {r["beat"]: _try_get(c, kv.Heartbeat.key(r["beat"])) for r in records if r["pids"] == pids}
 
     def announce(self) -> None:
         kv.client().key_value_set(self._ready_key, "1", allow_overwrite=True)
@@ -175,13 +183,13 @@ class Joiner:
     def wait_admitted(self, members_gone_s: float | None = None) -> tuple[list[int], float] | None:
         """Block until the members admit this process; returns the barrier's process ids and
         when they were admitting it (all of them alive then). None if the members stopped
-        meanwhile: no published member list heartbeat moved for ``members_gone_s`` (they all
+        meanwhile: no heartbeat of the newest member list's members moved for ``members_gone_s`` (they all
         died; then this process withdraws its announcement and starts cold with the others'
         restarts, rather than wait for an admission that cannot come)."""
         c = kv.client()
         key = f"{ADMIT_PREFIX}{self.process_id}/{self.nonce}"
         t0 = time.monotonic()
-        beat, beat_value, beat_since = None, None, time.monotonic()
+        beats, beats_since = None, time.monotonic()
         while True:
             try:
                 value = c.blocking_key_value_get(key, int(self.poll_s * 1000))
@@ -192,12 +200,10 @@ class Joiner:
                 if "DEADLINE" not in str(e) and "timed out" not in str(e).lower():
                     raise
             if members_gone_s is not None:
-                latest = self._latest_members()
-                now_beat = latest["beat"] if latest else None
-                value = _try_get(c, kv.Heartbeat.key(now_beat)) if now_beat else None
-                if (now_beat, value) != (beat, beat_value):
-                    beat, beat_value, beat_since = now_beat, value, time.monotonic()
-                elif time.monotonic() - beat_since > members_gone_s:
+                now = self._member_beats()
+                if now != beats:
+                    beats, beats_since = now, time.monotonic()
+                elif time.monotonic() - beats_since > members_gone_s:
                     try:
                         c.key_value_delete(self._ready_key)
                     except Exception:  # noqa: BLE001 - best effort

@@ -4,7 +4,7 @@ at a step every member agreed on, and the run computes what the fault-free run c
 import numpy as np
 import pytest
 
-from helpers import MLP, by_event as of, commits_by_step, finals, train
+from helpers import MLP, by_event as of, commits_by_step, finals, free_port, run_python, train
 
 STEPS = 120
 EXACT = ("--reduction", "exact", "--exact_chunks", "8")  # the result does not depend on the width
@@ -221,3 +221,46 @@ def test_a_joiner_that_dies_in_its_admission_step_does_not_hold_the_members_in_g
     f = finals(events)
     assert {0, 1} <= {e["process"] for e in f} and len({e["params_sha256"] for e in f}) == 1, f
     assert_bitwise(load(out / "final-p0.npz"), reference)
+
+
+# One process with a real coordination service: the newest member list [0, 2] was published by
+# both members; 0's heartbeat has stopped (it died), 2's still moves (it is alive, stalled: no
+# commit, so no newer list). Prints what a joiner (process 1) concludes.
+STALLED = r"""
+import json, threading, time
+import jax
+import jaxft
+from jaxft import admission, kv
+from jaxft.timeouts import Timeouts
+
+jax.distributed.initialize("127.0.0.1:%d" % int(__import__("sys").argv[1]), num_processes=1, process_id=0)
+c = kv.client()
+now = time.time()
+for writer, beat, when in ((2, "2-alive", now - 5.0), (0, "0-dead", now)):  # the dead one's record is newest
+    c.key_value_set(f"{admission.MEMBERS_KEY}/{writer}", json.dumps({"pids": [0, 2], "time": when, "beat": beat}))
+    c.key_value_set(kv.Heartbeat.key(beat), "7")
+stop = threading.Event()
+def beat():
+    n = 8
+    while not stop.wait(0.2):
+        c.key_value_set(kv.Heartbeat.key("2-alive"), str(n), allow_overwrite=True); n += 1
+threading.Thread(target=beat, daemon=True).start()
+joiner = admission.Joiner(1, Timeouts())
+print("running", joiner.running_members(settle_s=1.0))
+t0 = time.monotonic()
+threading.Timer(1.5, stop.set).start()  # then 2 dies too
+print("admitted", joiner.wait_admitted(members_gone_s=1.0), round(time.monotonic() - t0, 1))
+jax.distributed.shutdown()
+"""
+
+
+def test_a_joiner_takes_the_run_for_gone_only_when_no_member_beats():
+    # Only the newest record's publisher (the lowest member) was watched before: a joiner that
+    # came up just after it died, the others stuck in a 60 s save barrier, took the run for
+    # gone and started a second copy of it from the checkpoint beside them (a chaos run).
+    r = run_python(STALLED, str(free_port()), timeout=60)
+    assert r.returncode == 0, r.describe()
+    assert "running [0, 2]" in r.stdout, r.describe()
+    # once 2 stops too: gone (None) after members_gone_s, not before 2 stopped
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("admitted")]
+    assert line.split()[1] == "None" and float(line.split()[2]) >= 2.0, r.describe()
