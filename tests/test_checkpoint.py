@@ -419,9 +419,21 @@ from orbax.checkpoint._src.serialization import ocdbt_utils, tensorstore_utils, 
 from orbax.checkpoint._src.checkpointers import async_checkpointer
 from orbax.checkpoint._src.futures import future, synchronization
 from jax._src.lib import _jax
+from orbax.checkpoint._src.path import atomicity
 from jaxft.checkpoint import orbax as adapter
 from jaxft.errors import SaveAbandoned
 from jaxft.timeouts import Timeouts
+import threading, types
+
+def _barrier_seen_in_a_thread():
+    save = types.SimpleNamespace(processes=(0, 1))
+    got = []
+    with adapter.blocking_barriers(save):
+        t = threading.Thread(target=lambda: got.append(multihost.get_barrier_sync_fn(processes=[1, 0])))
+        t.start(); t.join()
+    return got == [save] and multihost.get_barrier_sync_fn(processes=[0, 1]) is not save
+
+blocking_any_thread = _barrier_seen_in_a_thread()
 
 root = tempfile.mkdtemp()
 item = {"step": np.asarray(1, np.int64), "leaves": {"00000_w": np.arange(12, dtype=np.float32).reshape(3, 4),
@@ -504,9 +516,12 @@ print(json.dumps({
                       and "self.reached_preemption(step)" in inspect.getsource(ocp.CheckpointManager.save)
                       and adapter.LiveSetCheckpointManager.reached_preemption(None, 1) is False),
   "checkpointer_close": checkpointer_close,
-  # 6. the blocking phase's barriers come from get_barrier_sync_fn, looked up at each call
+  # 6. the blocking phase's barriers come from get_barrier_sync_fn, looked up at each call,
+  #    also in the helper thread Orbax awaits the temporary directories' creation in
   "blocking_barrier": ("get_barrier_sync_fn(" in inspect.getsource(multihost.sync_global_processes)
-                       and "multihost.sync_global_processes(" in inspect.getsource(ocp.CheckpointManager.save)),
+                       and "multihost.sync_global_processes(" in inspect.getsource(ocp.CheckpointManager.save)
+                       and "multihost.sync_global_processes(" in inspect.getsource(atomicity.create_all)),
+  "blocking_barrier_any_thread": blocking_any_thread,
   "kv_client": all(hasattr(_jax.DistributedRuntimeClient, m) for m in
                    ("key_value_dir_get", "key_value_try_get", "key_value_delete", "key_value_set")),
 }))

@@ -64,8 +64,9 @@ Internals that remain, and why (no public equivalent in 0.12.8)
    which takes its barrier from the private module function
    ``_src.multihost.multihost.get_barrier_sync_fn`` (``wait_at_barrier``: a member that
    died there held the others for the whole bound, 60 s in a chaos run).
-   :func:`blocking_barriers` makes it return the save's :class:`SaveBarrier` for the
-   calling thread, so that a death there abandons the save at once. Replace with a
+   :func:`blocking_barriers` makes it return the save's :class:`SaveBarrier` (in any
+   thread: Orbax awaits some of them in a helper thread), so that a death there abandons
+   the save at once. Replace with a
    ``barrier_sync_fn`` field of ``MultiprocessingOptions``.
 """
 
@@ -188,28 +189,32 @@ def barrier_timeout() -> int:
     return int(_ocp_multihost.coordination_timeout())
 
 
-_blocking = threading.local()  # the SaveBarrier of the save in its blocking phase, per thread
+# The SaveBarrier of the save in its blocking phase (one at a time per process). Process-wide,
+# not per thread: Orbax runs some blocking barriers in a helper thread (``create_tmp_directory:pre``
+# of ``atomicity.create_all``, awaited by the saving thread); per thread, a member that died there
+# held the others for Timeouts.save_barrier (60 s, seen in a chaos run).
+_blocking: list["SaveBarrier"] = []
 
 
 @contextlib.contextmanager
 def blocking_barriers(barrier: "SaveBarrier") -> Iterator[None]:
-    """While inside, Orbax's blocking barriers over ``barrier``'s processes in this thread
-    go through ``barrier`` (item 6 of the module docstring)."""
+    """While inside, Orbax's blocking barriers over ``barrier``'s processes, in any thread, go
+    through ``barrier`` (item 6 of the module docstring)."""
     original = _ocp_multihost.get_barrier_sync_fn
     if not getattr(original, "_jaxft", False):
         def get_barrier_sync_fn(*, processes=None):
-            current = getattr(_blocking, "barrier", None)
+            current = _blocking[-1] if _blocking else None
             if current is not None and processes is not None and set(processes) == set(current.processes):
                 return current
             return original(processes=processes)
 
         get_barrier_sync_fn._jaxft = True  # type: ignore[attr-defined]
         _ocp_multihost.get_barrier_sync_fn = get_barrier_sync_fn
-    _blocking.barrier = barrier
+    _blocking.append(barrier)
     try:
         yield
     finally:
-        _blocking.barrier = None
+        _blocking.remove(barrier)
 
 
 # -- 3. per-life awaitable-signal keys --------------------------------------------------------
