@@ -198,13 +198,11 @@ class Executables:
             if self.reassign is None:
                 self.reassign = jax.devices()[0].platform == "cpu"
             module = module_hash(lowered) if self.reassign else None
-            exe = self._reassigned(key, module) if module is not None else None
+            done = threading.Event()
+            exe = self._reassigned(key, module, claim=done)
             if exe is not None:
                 return exe
-            done = threading.Event()
-            with self._lock:
-                self._compiling[key] = done
-            try:
+            try:  # _reassigned registered this compile (done) as it found nothing to load
                 exe, fresh = _compat.compile_fresh(lowered)
                 self.compiles += 1
                 if fresh:
@@ -220,30 +218,35 @@ class Executables:
                 with _suppress():
                     os.unlink(marker)
 
-    def _reassigned(self, key: Key, module: str) -> Any:
+    def _reassigned(self, key: Key, module: str | None, claim: threading.Event) -> Any:
         """``key``'s program from a kept program of the same width that lowers to the same
-        ``module`` for other devices, loaded for ``key``'s devices (None: there is none). While
-        another thread of this process compiles one of the same width and signature, wait for
-        it rather than compile beside it."""
+        ``module`` for other devices, loaded for ``key``'s devices. While another thread of
+        this process compiles one of the same width and signature, wait for it rather than
+        compile beside it. None: there is none; then ``claim`` is registered as this thread's
+        compile of ``key`` (in the same lock hold as the look, so that two threads never both
+        compile one width; a thread waits only for a compile, which itself never waits)."""
         give_up = time.monotonic() + self.wait_s
         while True:
             with self._lock:
-                source = next((p for k, p in self._blobs.items()
-                               if len(k[0]) == len(key[0]) and p.module == module), None)
-                pending = [e for k, e in self._compiling.items() if _same_shape(k, key)]
-            if source is not None or not pending or time.monotonic() > give_up:
+                source = None if module is None else next(
+                    (p for k, p in self._blobs.items() if len(k[0]) == len(key[0]) and p.module == module), None)
+                pending = [] if module is None else [e for k, e in self._compiling.items() if _same_shape(k, key)]
+                if source is None and (not pending or time.monotonic() > give_up):
+                    self._compiling[key] = claim
+                    return None
+            if source is not None:
                 break
             pending[0].wait(max(0.0, give_up - time.monotonic()))
-        if source is None:
-            return None
         with self._lock:
             program = Program(source.blob, source.compiled_for, module)
             exe = self._load(key, program)
-            if exe is not None:
-                self.reassigned += 1
-                self._blobs.pop(key, None)
-                self._keep_program(key, program)  # and in the directory, for the other processes
-                self._loaded[key] = exe
+            if exe is None:  # (logged) compile it after all
+                self._compiling[key] = claim
+                return None
+            self.reassigned += 1
+            self._blobs.pop(key, None)
+            self._keep_program(key, program)  # and in the directory, for the other processes
+            self._loaded[key] = exe
         return exe
 
     def _take_fingerprint(self, lowered: Any) -> None:

@@ -511,6 +511,7 @@ class ElasticLoop:
             self._last_failure = str(e)
             self.events.log("step_failed", step=step, failed=list(e.failed),
                             cause=str(e.cause).splitlines()[0][:300] if e.cause else "membership changed")
+            self.group.exit_if_finished_before_joining()
             return None
         except runner_lib.Abandoned as e:  # left a program no member failed in: the others may commit it
             self.events.log("abandoned_without_failure", step=step, why=str(e))
