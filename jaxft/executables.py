@@ -243,9 +243,9 @@ class Executables:
             if exe is None:  # (logged) compile it after all
                 self._compiling[key] = claim
                 return None
-            self.reassigned += 1
-            self._blobs.pop(key, None)
-            self._keep_program(key, program)  # and in the directory, for the other processes
+            self.reassigned += 1  # _load kept it under key; the directory gets it for the other processes
+            if self._sharing:
+                self._write(key, program)
             self._loaded[key] = exe
         return exe
 
