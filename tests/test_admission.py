@@ -264,3 +264,34 @@ def test_a_joiner_takes_the_run_for_gone_only_when_no_member_beats():
     # once 2 stops too: gone (None) after members_gone_s, not before 2 stopped
     (line,) = [x for x in r.stdout.splitlines() if x.startswith("admitted")]
     assert line.split()[1] == "None" and float(line.split()[2]) >= 2.0, r.describe()
+
+
+# One process with a real coordination service. argv: port, "committed" or "fresh".
+FINISHED_BEFORE_JOINING = r"""
+import sys
+import jax
+import jaxft
+from jaxft import kv
+
+jax.distributed.initialize("127.0.0.1:%d" % int(sys.argv[1]), num_processes=1, process_id=0)
+group = jaxft.ElasticGroup()
+group.target = 10
+if sys.argv[2] == "committed":
+    with group.step():
+        pass
+group.exit_if_finished_before_joining()
+print("still here: not finished", flush=True)
+kv.mark_finished(10)
+group.exit_if_finished_before_joining()
+print("still here: finished", flush=True)
+"""
+
+
+def test_a_life_that_committed_nothing_exits_0_after_a_failed_step_when_the_run_finished():
+    # ElasticLoop calls this after each failed step: a cold start that waited out a barrier
+    # while the members were finishing went on alone and trained a second copy (a chaos run).
+    fresh = run_python(FINISHED_BEFORE_JOINING, str(free_port()), "fresh", timeout=60)
+    assert fresh.returncode == 0, fresh.describe()
+    assert "still here: not finished" in fresh.stdout and "still here: finished" not in fresh.stdout, fresh.describe()
+    committed = run_python(FINISHED_BEFORE_JOINING, str(free_port()), "committed", timeout=60)
+    assert committed.returncode == 0 and "still here: finished" in committed.stdout, committed.describe()
