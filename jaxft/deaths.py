@@ -50,6 +50,11 @@ def record(state_dir: str, process_id: int, incarnation: int) -> None:
     os.replace(tmp, os.path.join(d, f"{process_id}-{incarnation}"))
 
 
+def recorded(state_dir: str, process_id: int, incarnation: int) -> bool:
+    """Whether the launcher recorded the death of ``process_id``'s launcher incarnation ``incarnation``."""
+    return os.path.exists(os.path.join(state_dir, SUBDIR, f"{process_id}-{incarnation}"))
+
+
 def deaths(state_dir: str) -> dict[int, float]:
     """``{process: time of its latest recorded death}``."""
     out: dict[int, float] = {}

@@ -13,9 +13,9 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
-from jaxft import _compat
+from jaxft import _compat, envvars, lives as lives_lib
 from jaxft import timeouts as _timeouts
 from jaxft.errors import BarrierAbandoned, BarrierTimeout
 from jaxft.timeouts import Timeouts
@@ -129,6 +129,9 @@ class KVBarrier:
     * a missing member's heartbeat stopped for ``timeouts.<dead_after>`` (its nonce is
       learnt from an earlier barrier of the same namespace), or
     * a missing member reached no barrier of the namespace within ``timeouts.<unknown_after>``;
+    * (with ``lives``, the member map the barrier is for) a missing member's life is over
+      (:mod:`jaxft.lives`: it restarted, or the launcher recorded its exit), and its
+      heartbeat is watched from the start (the nonce its life registered);
 
     and raises :class:`~jaxft.errors.BarrierTimeout` after ``timeout_ms`` (which the
     caller takes from ``timeouts.<timeout_name>``). Every message that such a bound ends names it.
@@ -143,7 +146,7 @@ class KVBarrier:
     def __init__(self, namespace: str, processes: Sequence[int], me: int, cancel: threading.Event | None = None, *,
                  timeouts: Timeouts | None = None, what: str = "barrier", dead_after: str = "save_dead_after",
                  unknown_after: str = "save_barrier", timeout_name: str = "save", poll_s: float = 0.005,
-                 max_poll_s: float = 0.05):
+                 max_poll_s: float = 0.05, lives: Mapping[int, int] | None = None):
         self.namespace = namespace
         self.processes = frozenset(processes)
         self.me = me
@@ -159,6 +162,9 @@ class KVBarrier:
         self._counts: dict[str, int] = {}
         self._lock = threading.Lock()
         self._created = time.monotonic()
+        self.lives = dict(lives or {})  # process -> service incarnation the barrier waits for
+        self._life_read: dict[int, float] = {}  # process -> when its life record was last read
+        self._state_dir = os.environ.get(envvars.FAULT_STATE_DIR)
 
     # -- hooks for subclasses ------------------------------------------------------------
     def _arriving(self, key: str, n: int) -> None:
@@ -169,7 +175,24 @@ class KVBarrier:
         """Called once every process arrived at the ``n``-th barrier ``key``."""
 
     # -- the barrier -----------------------------------------------------------------------
+    def _life_over(self, c: Any, process: int, now: float) -> str | None:
+        """Why the missing member's life in :attr:`lives` is over (its record read at most every
+        0.2 s per member; learns its heartbeat nonce from it)."""
+        if now - self._life_read.get(process, -1.0) < 0.2:
+            return None
+        self._life_read[process] = now
+        life = lives_lib.current(c, process)
+        why = lives_lib.over(life, self.lives[process], self._state_dir)
+        if why is None and life is not None:
+            with self._lock:
+                self.nonces.setdefault(process, life.nonce)
+        return why
+
     def _dead(self, c: Any, process: int, now: float) -> str | None:
+        if process in self.lives:
+            why = self._life_over(c, process, now)
+            if why is not None:
+                return why
         nonce = self.nonces.get(process)
         if nonce is None:
             if now - self._created > self.unknown_after_s:

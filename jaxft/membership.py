@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 from jax.extend import backend as jax_backend
 from jax.sharding import Mesh
 
-from jaxft import _compat, admission as admission_lib, breaker, deaths as deaths_lib, kv, priority, rendezvous
+from jaxft import _compat, admission as admission_lib, breaker, deaths as deaths_lib, kv, lives, priority, rendezvous
 from jaxft import timeouts as timeouts_lib
 from jaxft.errors import BarrierTimeout, StepFailed
 from jaxft.hang import WAIT_NOTICE_S, HangMonitor
@@ -109,6 +109,7 @@ class ElasticGroup:
         self._tripwire: deaths_lib.Tripwire | None = None
         self._reset_canceller: deaths_lib.Canceller | None = None  # cancels the rebuild's barriers on a death
         self._last_reset_ns: str | None = None
+        self.life: lives.Life | None = None  # this process's registered life (jaxft.lives)
         self.axis_name = axis_name
         self.timeouts = (timeouts or timeouts_lib.current()).replace(barrier=barrier_timeout_s)
         self.barrier_timeout_s = self.timeouts.barrier
@@ -188,6 +189,8 @@ class ElasticGroup:
         outlasts ``Timeouts.barrier``, it exits with :data:`EXIT_BARRIER_TIMEOUT`
         rather than hang forever (``live_devices`` has no timeout of its own).
         """
+        if self.life is None:  # before this life's first liveness query: every member map names a registered life
+            self.life = lives.register()
         if self.admission == "ready":
             with self._ready_step() as members:
                 yield members
@@ -552,15 +555,17 @@ class ElasticGroup:
             if self._last_reset_ns is not None:  # every member passed it before this reset began
                 kv.delete_dir(self._last_reset_ns)
         self._last_reset_ns = namespace
-        # Two barriers that give up on a member the launcher records dead (or whose heartbeat
-        # stops): before the rebuild, and after it, right before the new backend's gloo
+        # Two barriers that give up on a member whose life in ``current`` is over (the launcher
+        # recorded its exit, it restarted, or its heartbeat stopped: jaxft.lives; in either
+        # admission mode, also when it died before reaching them): before the rebuild, and after it, right before the new backend's gloo
         # rendezvous (jaxft.rendezvous: compiled before the barrier, run right after it). A
         # member that dies between the second barrier and publishing its rendezvous key is
         # waited for 30 s (gloo's own bound; see README): that window is now microseconds
         # instead of everything the step did before its first collective.
         cancel = threading.Event()
         barrier = kv.KVBarrier(namespace, members, self.process_id, cancel, timeouts=self.timeouts, what="reset",
-                               dead_after="save_dead_after", unknown_after="reset", timeout_name="reset")
+                               dead_after="save_dead_after", unknown_after="reset", timeout_name="reset",
+                               lives=current)
         t0 = time.monotonic()
         with self._deaths_cancel(cancel, members):
             barrier(key="rebuild", timeout_ms=int(self.timeouts.reset * 1000))

@@ -1,0 +1,27 @@
+"""A barrier over a member map gives up on a member whose life in the map is over (jaxft.lives).
+
+Real processes under ``jaxft launch``, a real coordination service, a real SIGKILL: the member
+dies after the map was agreed and before it reaches the barrier, so no arrival key ever names
+its heartbeat; the barrier knew of it only by process id and waited out its 60 s bound (the
+data-plane rebuild in `test_rejoin.py::test_two_join_at_once_and_one_dies_as_they_join`).
+"""
+
+import pytest
+
+from helpers import REPO, PYTHON, by_event, events, launch
+
+WORKER = str(REPO / "tests" / "workers" / "lives.py")
+
+
+@pytest.mark.parametrize("mode, restart, why", [
+    ("records", "never", "the launcher recorded process 1's exit"),
+    pytest.param("restart", "on-failure", "process 1 restarted", marks=pytest.mark.smoke),
+    ("heartbeat", "never", "process 1 stopped heartbeating"),
+])
+def test_a_rebuild_barrier_gives_up_on_a_member_that_died_before_it(tmp_path, mode, restart, why):
+    r = launch(2, [PYTHON, WORKER, mode], "--restart", restart, "--heartbeat-timeout", "3",
+               run_dir=tmp_path, timeout=120)
+    (b,) = by_event(events(tmp_path), "barrier")
+    assert b["outcome"].startswith("BarrierAbandoned") and why in b["outcome"], (b, r.describe())
+    if restart == "on-failure":
+        assert r.returncode == 0, r.describe()

@@ -1,0 +1,50 @@
+"""Test worker: a barrier set up by a member map gives up on a member whose life in it ended.
+
+Run by tests/test_deaths.py under ``jaxft launch -n 2``; argv[1] is the signal process 0 may
+use: ``records`` (the launcher's death records), ``restart`` (the restart's new life; the
+records hidden), ``heartbeat`` (neither: the dead life's heartbeat, whose nonce only its
+registration tells). Process 1's first life registers, agrees a member map with process 0
+and SIGKILLs itself before reaching the barrier (the rebuild hole: the barrier never learns
+its nonce from an arrival). Process 0 waits in a :class:`jaxft.kv.KVBarrier` over that map
+and logs a ``barrier`` event saying how it ended; a later life of process 1 registers,
+waits for that event's key and exits 0.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import jaxft
+
+rt = jaxft.initialize()
+
+import jax  # noqa: E402  (after initialize, on purpose)
+
+from jaxft import envvars, kv, lives  # noqa: E402
+from jaxft.errors import BarrierAbandoned, BarrierTimeout  # noqa: E402
+
+mode = sys.argv[1]
+me = jax.process_index()
+c = kv.client()
+life = lives.register()
+if me == 1 and life.launch != 0:
+    c.blocking_key_value_get("test/done", 120_000)
+    sys.exit(0)
+live = {int(p): int(i) for p, i in c.get_live_nodes([0, 1]).items()}
+assert live[me] == life.incarnation, (live, life)  # what member maps hold is what a life registers
+if me == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+if mode != "records":
+    os.environ.pop(envvars.FAULT_STATE_DIR, None)
+timeouts = rt.timeouts.replace(save_dead_after=2.0 if mode == "heartbeat" else 60.0, reset=30.0)
+barrier = kv.KVBarrier("test/rebuild", [0, 1], 0, timeouts=timeouts, what="reset", dead_after="save_dead_after",
+                       unknown_after="reset", timeout_name="reset", lives=live)
+t0 = time.monotonic()
+try:
+    barrier(key="rebuild", timeout_ms=30_000)
+    outcome = "passed"
+except (BarrierAbandoned, BarrierTimeout) as e:
+    outcome = f"{type(e).__name__}: {e}"
+rt.events.log("barrier", mode=mode, outcome=outcome, seconds=round(time.monotonic() - t0, 3))
+c.key_value_set("test/done", "1")
