@@ -39,27 +39,30 @@ def worker(steps: int, hidden: int, batch: int, admission: str = "connect") -> N
     batches = jaxft.GlobalBatches(data, batch, seed=0)
     trainer = jaxft.ElasticTrainer(loss_fn, tx, params, batches, runtime=rt,
                                    group=jaxft.ElasticGroup(admission=admission))
-    for _ in range(3):  # warm up: first step rebuilds the data plane and compiles
+    for _ in range(3):  # warm up: the first step rebuilds the data plane (and the backend) and compiles
         trainer.try_step()
-    t_elastic = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        trainer.try_step()
-        t_elastic.append(time.perf_counter() - t0)
-
     # The plain loop: same step function, fixed mesh, state kept as global arrays.
     mesh = trainer.group.mesh(sorted(jax.devices(), key=lambda d: d.id))
     fn = make_train_step(loss_fn, tx, batch, mesh)
-    p = _replicate(params, mesh)
-    o = _replicate(tx.init(params), mesh)
-    t_plain = []
-    for i in range(steps + 3):
-        t0 = time.perf_counter()
-        b, m = shard_batch(batches.batch(i), mesh)
-        p, o, loss = fn(p, o, b, m)
+    plain = {"p": _replicate(params, mesh), "o": _replicate(tx.init(params), mesh), "i": 0}
+
+    def plain_step() -> None:
+        b, m = shard_batch(batches.batch(plain["i"]), mesh)
+        plain["p"], plain["o"], loss = fn(plain["p"], plain["o"], b, m)
         jax.block_until_ready(loss)
-        if i >= 3:
-            t_plain.append(time.perf_counter() - t0)
+        plain["i"] += 1
+
+    for _ in range(3):
+        plain_step()
+    # Interleaved in blocks of 10 steps, so that drift in the machine's load falls on both
+    # alike (measured one after the other, the ratio ranged 0.967-1.047 from run to run).
+    t_elastic, t_plain = [], []
+    while len(t_elastic) < steps:
+        for timings, one in ((t_elastic, trainer.try_step), (t_plain, plain_step)):
+            for _ in range(min(10, steps - len(timings))):
+                t0 = time.perf_counter()
+                one()
+                timings.append(time.perf_counter() - t0)
     del NamedSharding, P
     el, pl = statistics.median(t_elastic), statistics.median(t_plain)
     rt.events.log("bench_overhead", elastic_ms=round(el * 1e3, 3), plain_ms=round(pl * 1e3, 3),
