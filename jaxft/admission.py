@@ -11,7 +11,8 @@ out of their barriers until it is ready. Then:
    (:meth:`ReadyWatcher.votes`, one int per process id) through the step's own
    all-reduce (a max), so the union of the votes is part of the committed step: every
    member has the same value, or the step failed everywhere and nobody uses it. No extra
-   coordination-service round trip is made on any step.
+   coordination-service round trip is made on any step. A member that cannot take a
+   joiner in yet votes :data:`HOLD` (:func:`held`), which outweighs every ready vote.
 3. After committing a step whose agreed votes name a joiner, every member writes the
    joiner's admission key (the same value everywhere: the process ids of the next step's
    barrier) and deletes the ready key it consumed; the next step's ``live_devices`` is
@@ -74,6 +75,24 @@ def started_without(process_id: int, every_s: float = 0.25) -> Callable[[], bool
     return check
 
 
+READY = 1  # a member's vote: this joiner announced it is ready
+HOLD = 1 << 20  # a member's vote: admit nobody at this step. The votes are summed over the
+# devices (jaxft.loop: one all-reduce with the step's); any sum >= HOLD has a hold in it, as
+# the ready votes add up to at most the number of devices.
+
+
+def held(votes: np.ndarray, members: Sequence[int]) -> np.ndarray:
+    """``votes`` with every non-member's slot set to :data:`HOLD`: this member cannot take a
+    joiner in yet (a step program it left still runs on the backend an admission rebuilds;
+    waiting for it there held every member of a chaos run 3.3 s). The members go on at their
+    width meanwhile and admit at the first step no member holds."""
+    out = np.array(votes, copy=True)
+    for p in range(len(out)):
+        if p not in members:
+            out[p] = HOLD
+    return out
+
+
 class ReadyWatcher:
     """A member's view of the joiners that announced readiness (a daemon thread)."""
 
@@ -106,12 +125,12 @@ class ReadyWatcher:
                 self._seen = seen
 
     def votes(self, members: Sequence[int]) -> np.ndarray:
-        """int32 ``[num_processes]``: 1 for each non-member with a ready key."""
+        """int32 ``[num_processes]``: :data:`READY` for each non-member with a ready key."""
         v = np.zeros(self.num_processes, np.int32)
         with self._lock:
             for p in self._seen:
                 if p not in members and 0 <= p < self.num_processes:
-                    v[p] = 1
+                    v[p] = READY
         return v
 
     def admit(self, joiners: Sequence[int], barrier_pids: Sequence[int]) -> None:

@@ -46,7 +46,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxft import executables as executables_lib
-from jaxft import rejoin, runner as runner_lib, stopping, transfer, warmup
+from jaxft import admission as admission_lib, rejoin, runner as runner_lib, stopping, transfer, warmup
 from jaxft.data import batch_specs, shard_batch, step_batch
 from jaxft.errors import ConsistencyError, RetryBudgetExceeded, StepFailed, TooFewMembers
 from jaxft.events import EventLog
@@ -61,10 +61,11 @@ StepFn = Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, dict]]  # (state, b
 
 
 def _with_votes(fn: Callable, mesh: Mesh) -> Callable:
-    """``fn`` plus admission votes: ``(state, batch, mask, votes[D, P]) -> (..., any over D)``,
+    """``fn`` plus admission votes: ``(state, batch, mask, votes[D, P]) -> (..., agreed[P])``,
     one jitted program, so agreeing on joiners costs no extra round trip (jaxft.admission).
+    ``agreed[p]`` is ``HOLD`` if any member held, else ``READY`` if any voted for ``p``, else 0.
 
-    The votes (0 or 1) are summed in float32, so that XLA merges their all-reduce with the
+    The votes are summed in float32, so that XLA merges their all-reduce with the
     step's own (gradients and loss: one all-reduce op per step, checked in the compiled
     program by ``tests/test_admission.py``); as a max over int32 they were a second one,
     independent of the step's and scheduled before it. Meant against gloo's "op.preamble.length
@@ -74,8 +75,9 @@ def _with_votes(fn: Callable, mesh: Mesh) -> Callable:
     on that slot, and the abort was seen once after the change (issue-13 schedule, final code)."""
     def step(state, batch, mask, votes):
         new_state, metrics = fn(state, batch, mask)
-        agreed = (jnp.sum(votes.astype(jnp.float32), axis=0) > 0).astype(jnp.int32)
-        return new_state, metrics, agreed
+        total = jnp.sum(votes.astype(jnp.float32), axis=0)  # (ready votes: at most the devices' count)
+        agreed = jnp.where(total >= admission_lib.HOLD, admission_lib.HOLD, (total > 0) * admission_lib.READY)
+        return new_state, metrics, agreed.astype(jnp.int32)
 
     return jax.jit(step, out_shardings=NamedSharding(mesh, P()))
 
@@ -230,6 +232,7 @@ class ElasticLoop:
         self._global: tuple | None = None  # (device ids, ids of the local leaves, global state)
         self.executables = executables_lib.Executables(executables_lib.shared_dir(), reference=self._reference_program)
         self._runner = runner_lib.StepRunner()
+        self._holding = False  # this member holds admissions back (see _hold_if_left)
         self.group.on_reset(before=self._drain_programs)  # first: nothing may run under the rebuild
         self.group.on_reset(before=self._state_to_host, after=self._after_reset)
         self.group.before_admission(self._prepare_admission)
@@ -264,6 +267,19 @@ class ElasticLoop:
             logger.error("process %d: a step program it left is still running after %.0f s; exiting to rejoin",
                          self.group.process_id, bound)
             os._exit(EXIT_HUNG)
+
+    def _hold_if_left(self, votes: np.ndarray, m: Members) -> np.ndarray:
+        """This member's admission votes, held (:func:`jaxft.admission.held`) while a step
+        program it left still runs: an admission's rebuild would wait for that program (up to
+        the collective timeout) with every member; held, they go on at their width."""
+        if not self._runner.pending():
+            self._holding = False
+            return votes
+        ready = [p for p, v in enumerate(votes) if v == admission_lib.READY]
+        if ready and not self._holding:
+            self._holding = True
+            self.events.log("admission_held", step=self.step, joiners=ready)
+        return admission_lib.held(votes, m.process_ids)
 
     def _state_to_host(self) -> None:
         self._global = None
@@ -484,7 +500,8 @@ class ElasticLoop:
                 agreed = None
                 args = (self._replicated(state, m), batch, mask)
                 if self.group.admission == "ready":  # admission votes ride in the step's own program
-                    args += (_votes_array(self.group.votes(m), m.mesh, self.group.axis_name),)
+                    votes = self._hold_if_left(self.group.votes(m), m)
+                    args += (_votes_array(votes, m.mesh, self.group.axis_name),)
 
                 def program(step=step, fn=fn, args=args, mesh=m.mesh):
                     self.faults.point("in-step", step)

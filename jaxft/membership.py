@@ -459,7 +459,8 @@ class ElasticGroup:
         """After a commit: the joiners every member agreed on enter at the next step."""
         if self.admission != "ready":
             return ()
-        joiners = tuple(p for p, v in enumerate(agreed_votes) if v and p not in members.process_ids)
+        joiners = tuple(p for p, v in enumerate(agreed_votes)
+                        if v == admission_lib.READY and p not in members.process_ids)
         if joiners:
             self._admitting = set(joiners)
             if self._deaths is not None:

@@ -122,6 +122,12 @@ class StepRunner:
         with self._lock:
             return any(w.thread is me for w in self._abandoned)
 
+    def pending(self) -> bool:
+        """Whether a program this runner left is still running."""
+        with self._lock:
+            self._abandoned = [w for w in self._abandoned if w.thread.is_alive()]
+            return bool(self._abandoned)
+
     def drain(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for abandoned programs to end; True when none is left."""
         deadline = time.monotonic() + timeout_s

@@ -42,15 +42,17 @@ def test_hung_worker_is_stopped_and_the_others_go_on(tmp_path, phase):
 
 def test_a_member_still_in_a_step_whose_member_died_leaves_its_program(tmp_path):
     # Process 1 dies right before its step-8 program, process 2 is stuck in step 8's program
-    # (its step thread sleeps 4 s there, as a member gloo left in a pending send waits out the
+    # (its step thread sleeps 15 s there, as a member gloo left in a pending send waits out the
     # 5 s collective timeout): the launcher records 1's death, 2's tripwire marks the step
     # doomed, and once 0 and 3 wait for it at the step's exit, 2 leaves the program running in
     # its step thread (Timeouts.stuck) and retries with them, instead of holding them until it
-    # wakes, or exiting and rejoining as before jaxft.runner.
-    r = launch(4, [PYTHON, MLP, "--steps", "50", "--step_sleep", "0.25", "--hidden", "16", "--admission", "ready"],
+    # wakes, or exiting and rejoining as before jaxft.runner. While the program it left runs,
+    # 2 holds the admission of 1's restart back (an admission's rebuild would wait for that
+    # program with every member: 3.3 s in a chaos run); the others train on meanwhile.
+    r = launch(4, [PYTHON, MLP, "--steps", "90", "--step_sleep", "0.25", "--hidden", "16", "--admission", "ready"],
                "--restart", "on-failure", "--heartbeat-timeout", "3",
                "--fault", "kill:process=1:step=8:phase=in-step",
-               "--fault", "hang:process=2:step=8:phase=in-step:for=4s", run_dir=tmp_path, timeout=240)
+               "--fault", "hang:process=2:step=8:phase=in-step:for=15s", run_dir=tmp_path, timeout=240)
     assert r.returncode == 0, r.describe()
     ev = events(tmp_path)
     (left,) = by_event(ev, "abandoned", process=2, incarnation=0)
@@ -60,10 +62,18 @@ def test_a_member_still_in_a_step_whose_member_died_leaves_its_program(tmp_path)
     assert not by_event(ev, "hung"), by_event(ev, "hung")
     assert not by_event(ev, "restart", process=2), "process 2 never left the run"
     assert [e.get("code") for e in by_event(ev, "exit", process=2)] == [0]
-    by_step = check_agreed_run(ev, 50, 4)
+    by_step = check_agreed_run(ev, 90, 4)
     assert {f["process"]: f["abandoned_programs"] for f in by_event(ev, "final")} == {0: 0, 1: 0, 2: 1, 3: 0}
     assert {tuple(c["members"]) for c in by_step[8]} == {(0, 2, 3)}, by_step[8]  # the retry went on with 2
-    assert by_event(ev, "rehydrated", process=1), "process 1 rejoined (the rebuild waited for 2's left program)"
+    assert by_event(ev, "rehydrated", process=1), "process 1 rejoined"
+    # the hold: 2 saw 1's restart ready while its left program ran, and nobody admitted it
+    # before that program ended; the others committed steps in between
+    (held,) = by_event(ev, "admission_held", process=2)
+    assert held["joiners"] == [1], held
+    (hang,) = by_event(ev, "fault", process=2)
+    admits = by_event(ev, "admit")
+    assert admits and all(a["time"] > hang["time"] + 15 for a in admits), (hang, admits)
+    assert any(held["time"] < c["time"] < admits[0]["time"] for c in by_event(ev, "commit", process=0)), held
     (kill,) = by_event(ev, "fault", process=1)
     step8 = min(c["time"] for c in by_step[8])
     data = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
