@@ -9,7 +9,7 @@ out of their barriers until it is ready. Then:
 2. Every member runs a :class:`ReadyWatcher`, a daemon thread that lists the ready keys
    off the step's critical path. Each step carries this member's view as a vote
    (:meth:`ReadyWatcher.votes`, one int per process id) through the step's own
-   all-reduce (a max), so the union of the votes is part of the committed step: every
+   all-reduce (summed), so the union of the votes is part of the committed step: every
    member has the same value, or the step failed everywhere and nobody uses it. No extra
    coordination-service round trip is made on any step. A member that cannot take a
    joiner in yet votes :data:`HOLD` (:func:`held`), which outweighs every ready vote.
@@ -84,7 +84,7 @@ HOLD = 1 << 20  # a member's vote: admit nobody at this step. The votes are summ
 def held(votes: np.ndarray, members: Sequence[int]) -> np.ndarray:
     """``votes`` with every non-member's slot set to :data:`HOLD`: this member cannot take a
     joiner in yet (a step program it left still runs on the backend an admission rebuilds;
-    waiting for it there held every member of a chaos run 3.3 s). The members go on at their
+    waiting for it there held every member of a chaos run 3.2 s). The members go on at their
     width meanwhile and admit at the first step no member holds."""
     out = np.array(votes, copy=True)
     for p in range(len(out)):

@@ -48,7 +48,7 @@ def test_a_member_still_in_a_step_whose_member_died_leaves_its_program(tmp_path)
     # its step thread (Timeouts.stuck) and retries with them, instead of holding them until it
     # wakes, or exiting and rejoining as before jaxft.runner. While the program it left runs,
     # 2 holds the admission of 1's restart back (an admission's rebuild would wait for that
-    # program with every member: 3.3 s in a chaos run); the others train on meanwhile.
+    # program with every member: 3.2 s in a chaos run); the others train on meanwhile.
     r = launch(4, [PYTHON, MLP, "--steps", "90", "--step_sleep", "0.25", "--hidden", "16", "--admission", "ready"],
                "--restart", "on-failure", "--heartbeat-timeout", "3",
                "--fault", "kill:process=1:step=8:phase=in-step",
