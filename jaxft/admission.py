@@ -190,7 +190,7 @@ class Joiner:
             return None, {}
         pids = max(records, key=lambda r: r["time"])["pids"]
         c = kv.client()
-        return list(pids), {r["beat"]: _try_get(c, kv.Heartbeat.key(r["beat"])) for r in records if r["pids"] == pids}
+        return list(pids), {r["beat"]: kv.try_get(kv.Heartbeat.key(r["beat"]), c) for r in records if r["pids"] == pids}
 
     def announce(self) -> None:
         kv.client().key_value_set(self._ready_key, "1", allow_overwrite=True)
@@ -231,10 +231,3 @@ class Joiner:
             if time.monotonic() - t0 > self.timeouts.admission:
                 raise BarrierTimeout(f"process {self.process_id} was not admitted within "
                                      f"{self.timeouts.describe('admission')}")
-
-
-def _try_get(c, key: str) -> str | None:
-    try:
-        return c.key_value_try_get(key)
-    except Exception:  # noqa: BLE001 - NOT_FOUND is raised
-        return None

@@ -47,12 +47,16 @@ def record(state_dir: str, process_id: int, incarnation: int) -> None:
     tmp = os.path.join(d, f".{process_id}-{incarnation}")
     with open(tmp, "w") as f:
         f.write(f"{time.time():.6f}")
-    os.replace(tmp, os.path.join(d, f"{process_id}-{incarnation}"))
+    os.replace(tmp, _path(state_dir, process_id, incarnation))
+
+
+def _path(state_dir: str, process_id: int, incarnation: int) -> str:
+    return os.path.join(state_dir, SUBDIR, f"{process_id}-{incarnation}")
 
 
 def recorded(state_dir: str, process_id: int, incarnation: int) -> bool:
     """Whether the launcher recorded the death of ``process_id``'s launcher incarnation ``incarnation``."""
-    return os.path.exists(os.path.join(state_dir, SUBDIR, f"{process_id}-{incarnation}"))
+    return os.path.exists(_path(state_dir, process_id, incarnation))
 
 
 def deaths(state_dir: str) -> dict[int, float]:

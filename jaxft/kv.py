@@ -30,6 +30,15 @@ def client() -> Any:
     return _compat.distributed_client()
 
 
+def try_get(key: str, c: Any | None = None) -> str | None:
+    """The value of ``key``, or None when it is absent (NOT_FOUND is raised, not returned) or
+    the service cannot be reached."""
+    try:
+        return (c if c is not None else client()).key_value_try_get(key)
+    except Exception:  # noqa: BLE001
+        return None
+
+
 # -- the run-finished flag ---------------------------------------------------------------------
 
 ANY_STEP = "*"
@@ -42,10 +51,7 @@ def mark_finished(step: int | None = None) -> None:
 
 def finished_value() -> str | None:
     """What :func:`mark_finished` wrote (None if nothing, or the service is unreachable)."""
-    try:
-        return client().key_value_try_get(FINISHED_KEY)
-    except Exception:  # NOT_FOUND is raised, not returned
-        return None
+    return try_get(FINISHED_KEY)
 
 
 
@@ -199,10 +205,7 @@ class KVBarrier:
                 return (f"process {process} reached no barrier of this {self.what} in "
                         f"{self.unknown_after_s:.0f} s ({self.timeouts.describe(self.unknown_after)})")
             return None
-        try:
-            value = c.key_value_try_get(Heartbeat.key(nonce))
-        except Exception:  # noqa: BLE001 - NOT_FOUND is raised
-            value = None
+        value = try_get(Heartbeat.key(nonce), c)
         with self._lock:
             last, since = self._beats.get(nonce, (None, now))
             if value != last or nonce not in self._beats:

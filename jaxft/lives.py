@@ -63,10 +63,9 @@ def register(client: Any | None = None) -> Life:
 
 def current(client: Any, process: int) -> Life | None:
     """The newest registered life of ``process`` (None if none registered)."""
-    try:
-        value = client.key_value_try_get(f"{PREFIX}{process}")
-    except Exception:  # noqa: BLE001 - NOT_FOUND is raised
-        return None
+    from jaxft import kv  # (kv imports this module)
+
+    value = kv.try_get(f"{PREFIX}{process}", client)
     if not value:
         return None
     try:

@@ -558,7 +558,8 @@ class ElasticGroup:
         self._last_reset_ns = namespace
         # Two barriers that give up on a member whose life in ``current`` is over (the launcher
         # recorded its exit, it restarted, or its heartbeat stopped: jaxft.lives; in either
-        # admission mode, also when it died before reaching them): before the rebuild, and after it, right before the new backend's gloo
+        # admission mode, also when it died before reaching them): before the rebuild, and
+        # after it, right before the new backend's gloo
         # rendezvous (jaxft.rendezvous: compiled before the barrier, run right after it). A
         # member that dies between the second barrier and publishing its rendezvous key is
         # waited for 30 s (gloo's own bound; see README): that window is now microseconds

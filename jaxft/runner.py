@@ -125,8 +125,12 @@ class StepRunner:
     def pending(self) -> bool:
         """Whether a program this runner left is still running."""
         with self._lock:
-            self._abandoned = [w for w in self._abandoned if w.thread.is_alive()]
-            return bool(self._abandoned)
+            return self._prune()
+
+    def _prune(self) -> bool:
+        """Forget left programs that ended (lock held); True while any still runs."""
+        self._abandoned = [w for w in self._abandoned if w.thread.is_alive()]
+        return bool(self._abandoned)
 
     def drain(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for abandoned programs to end; True when none is left."""
@@ -136,5 +140,4 @@ class StepRunner:
         for w in workers:
             w.thread.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
-            self._abandoned = [w for w in self._abandoned if w.thread.is_alive()]
-            return not self._abandoned
+            return not self._prune()
