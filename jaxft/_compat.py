@@ -238,17 +238,6 @@ def share_cpu_cache_entries() -> None:
     cache_key._hash_accelerator_config = hash_accelerator_config
 
 
-def service_rejects_outside_queries() -> bool:
-    """Whether the coordination service rejects a ``get_live_nodes`` query that does not
-    include the caller (jax < 0.12: then process 0 cannot wait for its peers to disconnect
-    that way, and they announce their exit in the key-value store instead). On jax 0.12 the
-    query works, and the announcement made the peers abort in their own shutdown (seen in
-    tests/test_cluster.py, cause not pinned down), so it is made only before 0.12."""
-    import jax
-
-    return tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 12)
-
-
 # -- compiled programs across backends ----------------------------------------------------------
 
 def serialize_compiled(compiled: Any) -> tuple:

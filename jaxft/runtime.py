@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from jaxft import _compat, breaker, cluster, envvars, stopping
 from jaxft import timeouts as timeouts_lib
@@ -228,8 +228,8 @@ def initialize(coordinator_address: str | None = None,
     if external_coordinator:
         _clear_stale_topology(process_id)
     elif num_processes > 1 and process_id == 0:  # it hosts the service: it must leave last
-        atexit.register(_outlive_peers, num_processes, timeouts)
-    elif num_processes > 1 and _compat.service_rejects_outside_queries():
+        atexit.register(_outlive_peers(num_processes, timeouts))
+    elif num_processes > 1:
         atexit.register(_announce_leaving, process_id)
     events = EventLog(run_dir, process_id, incarnation)
     events.log("initialized", source=place.source)
@@ -277,7 +277,7 @@ LEAVING_PREFIX = "jaxft/leaving/"
 
 def _announce_leaving(process_id: int) -> None:
     """At exit of a peer of a process 0 that hosts the service (atexit runs this before jax's
-    own shutdown, registered earlier): tell process 0 this process is about to disconnect."""
+    own shutdown, registered at its import): tell process 0 this process is about to disconnect."""
     client = _compat.distributed_client_or_none()
     if client is not None:
         try:
@@ -286,43 +286,52 @@ def _announce_leaving(process_id: int) -> None:
             pass
 
 
-def _outlive_peers(num_processes: int, timeouts: Timeouts) -> None:
-    """At exit of a process 0 that hosts the service: wait (bounded by ``Timeouts.shutdown``)
-    until every other process announced it is leaving, then a second more for their
-    ``ShutdownTask`` calls to be answered: a peer whose service is gone aborts (SIGABRT) in
-    its own shutdown, and a recoverable service has no shutdown barrier of its own."""
+def _outlive_peers(num_processes: int, timeouts: Timeouts) -> Callable[[], None]:
+    """For a process 0 that hosts the service: an atexit hook that keeps it (and the service)
+    alive until every other process has disconnected, bounded by ``Timeouts.shutdown``. A
+    peer whose service is gone aborts (SIGABRT) in its own ``ShutdownTask``, and a recoverable
+    service has no shutdown barrier of its own.
+
+    The wait runs in a thread started now, not at exit: Python 3.12 refuses to start a thread
+    once the interpreter is finalizing ("can't create new thread at interpreter shutdown"),
+    which had left process 0 not waiting at all there. The peers first announce that they are
+    leaving (their own atexit hook), so process 0's liveness query cannot pair with a peer
+    that is still training; then ``get_live_nodes`` over every process returns once each peer
+    has disconnected (it waits for the live ones, and a peer in shutdown never queries)."""
     client = _compat.distributed_client_or_none()
-    if client is None:
-        return
-    deadline = time.monotonic() + timeouts.shutdown
-    others = {str(p) for p in range(1, num_processes)}
+    exiting = threading.Event()
 
     def wait() -> None:
-        # jax >= 0.12: a liveness query over the others waits until they have disconnected
-        try:
-            while time.monotonic() < deadline:
-                if not client.get_live_nodes(sorted(int(p) for p in others)):
-                    time.sleep(max(0.0, min(0.5, deadline - time.monotonic())))
-                    return
-                time.sleep(0.05)
+        exiting.wait()
+        if client is None:
             return
-        except Exception as e:  # noqa: BLE001
-            if "not one of the tasks" not in str(e):
-                return  # the service or this client is already gone
-        # jax 0.10: the service rejects a query without the caller: wait for announcements
+        deadline = time.monotonic() + timeouts.shutdown
+        others, left = {str(p) for p in range(1, num_processes)}, set()
         while time.monotonic() < deadline:
             try:
                 left = {k.rstrip("/").rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(LEAVING_PREFIX)}
             except Exception:  # noqa: BLE001 - the service or this client is already gone
                 return
             if others <= left:
-                time.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
-                return
-            time.sleep(0.05)
+                break
+            time.sleep(0.02)
+        else:
+            logger.debug("process(es) %s did not announce their exit within %.1f s",
+                         sorted(others - left, key=int), timeouts.shutdown)
+            return
+        try:
+            client.get_live_nodes(list(range(num_processes)))
+        except Exception:  # noqa: BLE001 - the service or this client is already gone
+            pass
 
     waiter = threading.Thread(target=wait, name="jaxft-outlive-peers", daemon=True)
     waiter.start()
-    waiter.join(timeouts.shutdown)
+
+    def at_exit() -> None:
+        exiting.set()
+        waiter.join(timeouts.shutdown)
+
+    return at_exit
 
 
 def _clear_stale_topology(process_id: int) -> None:

@@ -30,8 +30,8 @@ print(json.dumps({"source": rt.source, "n": rt.num_processes, "pid": rt.process_
 """
 
 
-def _two(env_of) -> list[dict]:
-    procs = [subprocess.Popen([PYTHON, "-c", SUM], env=env_of(i), cwd=REPO, stdin=subprocess.DEVNULL,
+def _two(env_of, code: str = SUM) -> list[dict]:
+    procs = [subprocess.Popen([PYTHON, "-c", code], env=env_of(i), cwd=REPO, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = []
     try:
@@ -71,6 +71,27 @@ def test_explicit_jax_variables():
     outs = _two(env)
     assert [(o["source"], o["n"], o["pid"], o["sum"]) for o in outs] == [("explicit", 2, 0, 3.0),
                                                                            ("explicit", 2, 1, 3.0)]
+
+
+# Process 1 is slow to leave: atexit runs handlers last-in first-out, so a handler registered
+# after jax's import and before initialize() runs between jaxft's exit announcement and jax's
+# own shutdown. Process 0 hosts the service and must outlive that, or process 1's ShutdownTask
+# finds no service and aborts (SIGABRT).
+SLOW_EXIT = """
+import atexit, os, time
+import jax
+if os.environ["JAX_PROCESS_ID"] == "1":
+    atexit.register(time.sleep, 2.0)
+""" + SUM
+
+
+def test_process_0_outlives_a_peer_that_is_slow_to_exit():
+    port = free_port()
+
+    def env(i):
+        return clean_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
+
+    assert [o["sum"] for o in _two(env, SLOW_EXIT)] == [3.0, 3.0]
 
 
 @pytest.mark.parametrize("drop", ["SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID"])
