@@ -255,14 +255,18 @@ class SaveBarrier(kv.KVBarrier):
     published; reaching ``ThreadSaveMultiHostValueHolder:set_value_start`` a second time
     without having passed it means this process's background phase failed (Orbax's
     finalize thread resets its "save in progress" value in a ``finally``), which it
-    announces at once: peers must not wait for us until their timeout.
+    announces at once: peers must not wait for us until their timeout. ``lives`` (the
+    commit's member map, process -> incarnation) lets it give up on a member that died
+    before its first barrier of the save without the launcher's records (:mod:`jaxft.lives`).
     """
 
     abandoned_error = SaveAbandoned
 
-    def __init__(self, namespace: str, processes: Sequence[int], me: int, cancel, *, timeouts: Timeouts):
+    def __init__(self, namespace: str, processes: Sequence[int], me: int, cancel, *, timeouts: Timeouts,
+                 lives: Mapping[int, int] | None = None):
         super().__init__(namespace, processes, me, cancel, timeouts=timeouts, what="save",
-                         dead_after="save_dead_after", unknown_after="save_barrier", timeout_name="save")
+                         dead_after="save_dead_after", unknown_after="save_barrier", timeout_name="save",
+                         lives=lives)
         self.committed = False  # passed Orbax's "async_commit_complete" barrier
 
     def _arriving(self, key: str, n: int) -> None:

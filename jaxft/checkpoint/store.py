@@ -216,9 +216,9 @@ class CheckpointStore:
 
     # -- saving -------------------------------------------------------------------------
     def _manager(self, members: tuple[int, ...], prefix: str, cancel: threading.Event,
-                 before_commit: Callable[[], None] | None):
+                 before_commit: Callable[[], None] | None, incarnations: Mapping[int, int] | None):
         barrier = orbax.SaveBarrier(f"{BARRIER_NAMESPACE}/{prefix}", members, self.process_id, cancel,
-                                    timeouts=self.timeouts)
+                                    timeouts=self.timeouts, lives=incarnations)
         mgr = orbax.save_manager(self.directory, members, prefix, keep=self.keep, barrier=barrier,
                                  async_timeout_s=self.async_timeout_s, before_commit=before_commit)
         return mgr, barrier
@@ -281,7 +281,7 @@ class CheckpointStore:
         prefix = f"jaxft_ckpt_{digest}_{step}"
         mgr = barrier = None
         try:
-            mgr, barrier = self._manager(members, prefix, cancel, before_commit)
+            mgr, barrier = self._manager(members, prefix, cancel, before_commit, incarnations)
             # Orbax refuses zero-size arrays: they live in the layout (dtype, shape) only.
             item = {"step": named_step, "leaves": {n: a for n, a in named.items() if a.size}}
             with self._deaths_cancel(cancel, members, incarnations), orbax.blocking_barriers(barrier):
@@ -313,7 +313,8 @@ class CheckpointStore:
         """While inside (the blocking phase), ``cancel`` is set the moment the launcher records a
         member's death (:mod:`jaxft.deaths`): the blocking barriers give up on it at once
         instead of after ``Timeouts.save_barrier``. Without records (another node, a host
-        death), or without the incarnations to know the lives, nothing changes."""
+        death) the save's barrier still gives up on the member once the heartbeat its life
+        registered stops (``Timeouts.save_dead_after``, :mod:`jaxft.lives`)."""
         others = [p for p in members if p != self.process_id]
         if not others or not incarnations:
             yield
