@@ -72,14 +72,20 @@ def _with_votes(fn: Callable, mesh: Mesh) -> Callable:
     <= op.nbytes. 32 vs 4" abort of a survivor when a member dies (all of XLA's CPU collectives
     share one gloo slot, so a member a collective ahead of its peer sends chunks of the wrong
     size), it does not close it: XLA runs a tuple all-reduce as one gloo all-reduce per element
-    on that slot, and the abort was seen once after the change (issue-13 schedule, final code)."""
+    on that slot. ``ElasticTrainer``'s step therefore sums its gradients, loss and votes in one
+    buffer itself (``step_takes_votes``); this wrapper remains for steps brought along."""
     def step(state, batch, mask, votes):
         new_state, metrics = fn(state, batch, mask)
-        total = jnp.sum(votes.astype(jnp.float32), axis=0)  # (ready votes: at most the devices' count)
-        agreed = jnp.where(total >= admission_lib.HOLD, admission_lib.HOLD, (total > 0) * admission_lib.READY)
-        return new_state, metrics, agreed.astype(jnp.int32)
+        return new_state, metrics, agreed_votes(jnp.sum(votes.astype(jnp.float32), axis=0))
 
     return jax.jit(step, out_shardings=NamedSharding(mesh, P()))
+
+
+def agreed_votes(total: jax.Array) -> jax.Array:
+    """``agreed [P] int32`` from the votes summed over the devices (``total [P]``, float32:
+    ready votes count at most the devices, a ``HOLD`` outweighs them all)."""
+    agreed = jnp.where(total >= admission_lib.HOLD, admission_lib.HOLD, (total > 0) * admission_lib.READY)
+    return agreed.astype(jnp.int32)
 
 
 def _votes_spec(mesh: Mesh, axis_name: str) -> jax.ShapeDtypeStruct:
@@ -177,6 +183,10 @@ class ElasticLoop:
       runtime: what :func:`jaxft.initialize` returned (events and fault points).
       make_step: instead of ``step_fn``, ``mesh -> callable`` building the step for a mesh
         (for steps whose code depends on the mesh).
+      step_takes_votes: with ready admission, ``make_step``'s steps take the admission votes
+        and return the agreement themselves, ``(state, batch, mask, votes[D, P]) -> (state,
+        metrics, agreed[P])`` (see :func:`agreed_votes`), so that they can sum the votes in
+        their own collective (``ElasticTrainer`` does: one buffer, one all-reduce).
       micro_batch: with ``stacked``, examples per device per micro-batch.
       stacked: give the step ``batch [M, D*m, ...]`` and ``mask [M, D*m]`` (``M``
         micro-batches, for gradient accumulation inside the step) instead of ``[P, ...]``.
@@ -202,7 +212,7 @@ class ElasticLoop:
                  stacked: bool = False, check_every: int = 0, group: ElasticGroup | None = None,
                  on_commit: Callable[[Any, StepRecord], None] | None = None, step: int = 0,
                  min_members: int = 1, max_attempts: int | None = 100, chunk: int | None = None,
-                 precompile: int = 0):
+                 precompile: int = 0, step_takes_votes: bool = False):
         if (step_fn is None) == (make_step is None):
             raise ValueError("pass exactly one of step_fn and make_step")
         if min_members < 1:
@@ -215,6 +225,7 @@ class ElasticLoop:
         self._last_failure = ""
         self.step_fn = step_fn
         self.make_step = make_step
+        self.step_takes_votes = step_takes_votes and make_step is not None
         self.data = data
         self.micro_batch = micro_batch
         self.stacked = stacked
@@ -313,7 +324,7 @@ class ElasticLoop:
                 fn = self.make_step(mesh)
             else:
                 fn = jax.jit(self.step_fn, out_shardings=NamedSharding(mesh, P()))
-            if self.group.admission == "ready":
+            if self.group.admission == "ready" and not self.step_takes_votes:
                 fn = _with_votes(fn, mesh)
             elif self.precompile and not hasattr(fn, "lower"):  # a plain function around jitted ones
                 fn = jax.jit(fn, out_shardings=NamedSharding(mesh, P()))  # one program, to compile ahead

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxft.data import GlobalBatches
 from jaxft.events import EventLog
 from jaxft.faults import FaultInjector
-from jaxft.loop import ElasticLoop, StepRecord, local_copy, replicate, to_host
+from jaxft.loop import ElasticLoop, StepRecord, agreed_votes, local_copy, replicate, to_host
 from jaxft.membership import ElasticGroup
 from jaxft.types import PyTree
 
@@ -54,26 +54,33 @@ REDUCTIONS = ("allreduce", "exact")
 
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, global_batch: int,
-                    mesh: Mesh, reduction: str = "allreduce", chunks: int | None = None) -> Callable:
+                    mesh: Mesh, reduction: str = "allreduce", chunks: int | None = None,
+                    votes: bool = False) -> Callable:
     """Jitted ``(params, opt_state, batch[M, D*m, ...], mask[M, D*m]) -> (params, opt_state, loss)``.
+
+    ``votes`` (all-reduce only): the step also takes the admission votes ``[D, P]`` (sharded
+    over the devices) and returns ``agreed [P]`` (:func:`jaxft.loop.agreed_votes`), the votes
+    summed in the same buffer as the gradients.
 
     Sums per-example losses times the mask and divides by ``global_batch``: the gradient
     does not depend on how many devices hold the batch, up to float rounding.
 
-    ``reduction="allreduce"``: scans over the ``M`` micro-batches; the cross-device sum is the
-    all-reduce XLA inserts for the replicated params (its order depends on the width).
+    ``reduction="allreduce"``: scans over the ``M`` micro-batches; the cross-device sum is one
+    all-reduce of every gradient and the loss in one buffer (its order depends on the width).
     ``reduction="exact"``: the batch must be laid out by :meth:`jaxft.Layout.chunked` in
     ``chunks`` chunks; the result is bitwise independent of the number of devices (see
     :func:`_exact_step`).
     """
     _check_reduction(reduction)
     if reduction == "exact":
+        if votes:
+            raise ValueError("votes are summed in the step only with reduction='allreduce'")
         _check_chunks(chunks, global_batch)
         step = _exact_step(loss_fn, optimizer, global_batch, chunks, mesh)
     else:
-        step = _allreduce_step(loss_fn, optimizer, global_batch)
+        step = _allreduce_step(loss_fn, optimizer, global_batch, mesh, votes)
     replicated = NamedSharding(mesh, P())
-    return jax.jit(step, out_shardings=(replicated, replicated, replicated))
+    return jax.jit(step, out_shardings=(replicated,) * (4 if votes else 3))
 
 
 def _chunk_value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, mask: jax.Array):
@@ -81,8 +88,17 @@ def _chunk_value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, mask: 
     return jax.value_and_grad(lambda p: jnp.sum(_per_example(loss_fn(p, batch), mask) * mask))(params)
 
 
-def _allreduce_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, global_batch: int) -> Callable:
-    def step(params, opt_state, batch, mask):
+def _allreduce_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, global_batch: int,
+                    mesh: Mesh, votes: bool = False) -> Callable:
+    """Each device sums its micro-batches' gradients and losses, then one ``psum`` of them all
+    (and of the admission votes, with ``votes``) flattened into one buffer (:func:`_rows`):
+    one gloo all-reduce per step. XLA's CPU backend runs a tuple all-reduce (what it made of
+    the per-leaf sums) as one gloo all-reduce per element, all on one slot: when a member died
+    between two of them, a survivor one element ahead sent chunks of the wrong size and
+    another survivor aborted in gloo ("op.preamble.length <= op.nbytes. 32 vs 4", SIGABRT)."""
+    axis = mesh.axis_names[0]
+
+    def per_device(params, batch, mask, *vote_rows):  # batch [M, m, ...]: this device's micro-batches
         def micro(carry, xs):
             grad_sum, loss_sum = carry
             loss, grads = _chunk_value_and_grad(loss_fn, params, *xs)
@@ -94,9 +110,26 @@ def _allreduce_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, gl
             (grad_sum, loss_sum), _ = micro(carry, jax.tree_util.tree_map(lambda x: x[0], (batch, mask)))
         else:
             (grad_sum, loss_sum), _ = jax.lax.scan(micro, carry, (batch, mask))
-        return _apply(optimizer, params, opt_state, grad_sum, loss_sum, global_batch)
+        rows = jax.tree_util.tree_map(lambda x: x[None], (grad_sum, loss_sum))
+        rows += tuple(v.astype(jnp.float32) for v in vote_rows)  # this device's votes [1, P]
+        flat, unflatten = _rows(rows)
+        return jax.tree_util.tree_map(lambda x: x[0], unflatten(jax.lax.psum(flat, axis)))
 
-    return step
+    specs = (P(), P(None, axis), P(None, axis)) + ((P(axis),) if votes else ())
+    summed = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
+
+    if not votes:
+        def step(params, opt_state, batch, mask):
+            grad_sum, loss_sum = summed(params, batch, mask)
+            return _apply(optimizer, params, opt_state, grad_sum, loss_sum, global_batch)
+
+        return step
+
+    def step_with_votes(params, opt_state, batch, mask, votes_in):
+        grad_sum, loss_sum, total = summed(params, batch, mask, votes_in)
+        return _apply(optimizer, params, opt_state, grad_sum, loss_sum, global_batch) + (agreed_votes(total),)
+
+    return step_with_votes
 
 
 def _apply(optimizer, params, opt_state, grad_sum, loss_sum, global_batch: int):
@@ -145,9 +178,9 @@ def _exact_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, global
 def _rows(tree: PyTree) -> tuple[jax.Array, Callable[[jax.Array], PyTree]]:
     """``tree``'s leaves ``[k, ...]`` as one ``[k, n]`` array (in one dtype every leaf's
     converts to exactly, e.g. bfloat16 and float32 -> float32), and the inverse for any
-    leading size: the exact reduction gathers one buffer, so a step runs one gloo collective
-    instead of one per leaf (each is another chance for peers to fall out of step when a
-    member dies mid-step)."""
+    leading size: the all-reduce sums one buffer and the exact reduction gathers one, so a
+    step runs one gloo collective instead of one per leaf (each is another chance for peers
+    to fall out of step when a member dies mid-step)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     dtype = jnp.result_type(*leaves)
     sizes = [int(np.prod(x.shape[1:], dtype=np.int64)) for x in leaves]
@@ -243,12 +276,20 @@ class ElasticTrainer:
                                 make_step=self._make_step, runtime=runtime, events=events, faults=faults,
                                 micro_batch=micro_batch, stacked=True, check_every=check_every, group=group,
                                 on_commit=hook, min_members=min_members, max_attempts=max_attempts,
-                                chunk=chunk, precompile=precompile)
+                                chunk=chunk, precompile=precompile, step_takes_votes=reduction == "allreduce")
         self.events, self.faults, self.group = self.loop.events, self.loop.faults, self.loop.group
         self._view: TrainState | None = None  # what `state` returned, and what it was made from
         self._view_src: tuple = ()
 
     def _make_step(self, mesh: Mesh) -> Callable:
+        if self.loop.step_takes_votes and self.loop.group.admission == "ready":
+            inner = make_train_step(self.loss_fn, self.optimizer, self.data.global_batch, mesh, votes=True)
+
+            def step_with_votes(state, batch, mask, votes):
+                params, opt_state, loss, agreed = inner(state["params"], state["opt_state"], batch, mask, votes)
+                return {"params": params, "opt_state": opt_state}, {"loss": loss}, agreed
+
+            return jax.jit(step_with_votes, out_shardings=NamedSharding(mesh, P()))
         inner = make_train_step(self.loss_fn, self.optimizer, self.data.global_batch, mesh, self.reduction,
                                 self.exact_chunks)
 
