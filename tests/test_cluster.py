@@ -4,6 +4,7 @@ errors for environments that half describe a job. Real processes, real coordinat
 import json
 import subprocess
 import time
+from typing import Callable
 
 import pytest
 
@@ -62,13 +63,15 @@ def test_fake_slurm_step_of_two_tasks():
         assert o["sum"] == 3.0, o  # 1 + 2: both processes took part
 
 
-def test_explicit_jax_variables():
+def _explicit_env() -> Callable[[int], dict]:
+    """Process ``i``'s environment for a two-process job described by JAX_* variables."""
     port = free_port()
+    return lambda i: clean_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                               JAX_PROCESS_ID=str(i))
 
-    def env(i):
-        return clean_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
 
-    outs = _two(env)
+def test_explicit_jax_variables():
+    outs = _two(_explicit_env())
     assert [(o["source"], o["n"], o["pid"], o["sum"]) for o in outs] == [("explicit", 2, 0, 3.0),
                                                                            ("explicit", 2, 1, 3.0)]
 
@@ -86,12 +89,7 @@ if os.environ["JAX_PROCESS_ID"] == "1":
 
 
 def test_process_0_outlives_a_peer_that_is_slow_to_exit():
-    port = free_port()
-
-    def env(i):
-        return clean_env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
-
-    assert [o["sum"] for o in _two(env, SLOW_EXIT)] == [3.0, 3.0]
+    assert [o["sum"] for o in _two(_explicit_env(), SLOW_EXIT)] == [3.0, 3.0]
 
 
 @pytest.mark.parametrize("drop", ["SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID"])
