@@ -140,7 +140,7 @@ class ElasticGroup:
         self._post_reset: list[Callable[[], None]] = []
         self._before_announce: list[Callable[[tuple[int, ...]], None]] = []
         self._watchdog: _Watchdog | None = None
-        self._old_backend: tuple[weakref.ref, float] | None = None  # (the client a rebuild replaced, when)
+        self._old_backends: list[tuple[weakref.ref, float]] = []  # (a client a rebuild replaced, when)
         self.leaked_backends = 0  # rebuilds after which arrays of the old backend stayed alive
         self.hang = HangMonitor(self.process_id, self.timeouts, poll_s=poll_s)
 
@@ -325,33 +325,42 @@ class ElasticGroup:
             self._tripwire = deaths_lib.Tripwire(self._deaths, trip)
         return self._tripwire
 
-    def _check_old_backend(self, after_s: float = 3.0) -> None:
-        """A few seconds after a rebuild, check once that no array of the old CPU backend lives.
+    def _check_old_backend(self, after_s: float = 3.0, collect: bool = False) -> None:
+        """A few seconds after a rebuild, check that no array of the old CPU backend lives.
 
         A jax array of it that is still referenced (the initial params the program created,
         a numpy view made by ``np.asarray`` of one) keeps the old backend's buffers alive for
         nothing, once per rebuild (in one A/B pair of runs the new backend's steps were also
-        slower with it, 0.160 s against 0.140 s; not settled, see README). Warn, naming the fix."""
-        old = self._old_backend
-        if old is None or time.monotonic() - old[1] < after_s:
+        slower with it, 0.160 s against 0.140 s; not settled, see README). Warn, naming the fix.
+
+        Listing the arrays costs ~10 us; arrays that are only garbage in reference cycles are
+        listed too until Python's collector frees them, and a full ``gc.collect`` takes
+        ~50-200 ms with jax loaded: run after every admission, it stalled the step it fell in
+        on every member (schedule runs here). So a backend whose arrays are listed is looked
+        at again at later steps, and collected for only at :meth:`finish` (``collect``)."""
+        now = time.monotonic()
+        due = [old for old in self._old_backends if now - old[1] >= after_s]
+        if not due:
             return
-        self._old_backend = None
-        gc.collect()
-        client = old[0]()
-        if client is None:
-            return
-        try:
-            held = sorted({f"{a.dtype}{list(a.shape)}" for a in client.live_arrays()})
-        except Exception:  # noqa: BLE001 - a client that cannot list them holds none we can name
-            held = []
-        del client
-        if held:  # (the client itself may outlive the rebuild in jax's caches; its arrays must not)
-            self.leaked_backends += 1
-            logger.warning("process %d: arrays of the CPU backend replaced %.0f s ago are still alive (%s): "
-                           "something holds them (e.g. the initial params, or numpy views of them made by "
-                           "np.asarray) and with them that backend's memory; pass host copies (np.array) "
-                           "to the trainer and keep no jax arrays across steps", self.process_id,
-                           time.monotonic() - old[1], ", ".join(held[:12]))
+        collected = False
+        for old in due:
+            client = old[0]()
+            held = _held_arrays(client) if client is not None else []
+            if held and collect and not collected:
+                gc.collect()
+                collected = True
+                held = _held_arrays(client)
+            del client
+            if held and not collect:
+                continue  # maybe garbage: look again later
+            self._old_backends.remove(old)
+            if held:  # (the client itself may outlive the rebuild in jax's caches; its arrays must not)
+                self.leaked_backends += 1
+                logger.warning("process %d: arrays of the CPU backend replaced %.0f s ago are still alive (%s): "
+                               "something holds them (e.g. the initial params, or numpy views of them made by "
+                               "np.asarray) and with them that backend's memory; pass host copies (np.array) "
+                               "to the trainer and keep no jax arrays across steps", self.process_id,
+                               now - old[1], ", ".join(held[:12]))
 
     def _taint(self) -> None:
         """A step failed after its body began: rebuild the CPU data plane before the next one."""
@@ -475,7 +484,7 @@ class ElasticGroup:
     def finish(self, step: int | None = None) -> None:
         """Tell late joiners the run is over (at ``step``), so none waits for peers that are gone."""
         self.hang.finished()
-        self._check_old_backend(after_s=0.0)
+        self._check_old_backend(after_s=0.0, collect=True)
         kv.mark_finished(step)
         if self._watcher is not None:
             self._watcher.stop()
@@ -577,7 +586,7 @@ class ElasticGroup:
             self._meshes.clear()
             self._used.clear()
             self._suspect.clear()
-            self._old_backend = (weakref.ref(jax.devices()[0].client), time.monotonic())
+            self._old_backends.append((weakref.ref(jax.devices()[0].client), time.monotonic()))
             if self.process_id == 0:
                 # Process 0's new backend writes the global topology again (the old copy would
                 # fail it with ALREADY_EXISTS): delete that copy only now, past the barrier. A
@@ -653,6 +662,14 @@ class _Watchdog:
                 _hard_exit(EXIT_BARRIER_TIMEOUT,
                            f"jaxft: process {g.process_id} waited {g.barrier_timeout_s:.0f} s while {what} "
                            f"(a peer is alive but stuck?), the bound {g.timeouts.describe('barrier')}; exiting")
+
+
+def _held_arrays(client) -> list[str]:
+    """``dtype[shape]`` of each array of ``client`` that is still alive (its ``live_arrays``)."""
+    try:
+        return sorted({f"{a.dtype}{list(a.shape)}" for a in client.live_arrays()})
+    except Exception:  # noqa: BLE001 - a client that cannot list them holds none we can name
+        return []
 
 
 def _hard_exit(code: int, message: str) -> None:
