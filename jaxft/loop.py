@@ -379,7 +379,7 @@ class ElasticLoop:
 
     def _log_leaks(self) -> None:
         """A ``backend_leaked`` event for each rebuild after which arrays of the old CPU
-        backend stayed alive (see :meth:`ElasticGroup._check_old_backend`)."""
+        backend stayed alive (see :meth:`ElasticGroup._report_old_backends`)."""
         while self._leaks_logged < self.group.leaked_backends:
             self._leaks_logged += 1
             self.events.log("backend_leaked", step=self.step)
@@ -568,7 +568,6 @@ class ElasticLoop:
             if admitted:
                 self.events.log("admit", step=step + 1, joiners=list(admitted))
         self._warm_up(m)
-        self._log_leaks()
         if self.on_commit is not None:
             self.on_commit(self, record)
         self.faults.point("after-commit", step)

@@ -218,7 +218,6 @@ class ElasticGroup:
                 with self._watch("leaving a step"):
                     cm.__exit__(None, None, None)
                 self._agreed = dict(members.incarnations)
-                self._check_old_backend()
         except multihost_utils.ProcessFailureError as e:
             if members is not None:
                 self._taint()
@@ -295,7 +294,6 @@ class ElasticGroup:
         self._agreed = dict(members.incarnations)
         self._committed = exit_
         self.joining = False
-        self._check_old_backend()
 
     @contextlib.contextmanager
     def _deaths_cancel(self, cancel: threading.Event, members: Sequence[int]) -> Iterator[None]:
@@ -325,42 +323,32 @@ class ElasticGroup:
             self._tripwire = deaths_lib.Tripwire(self._deaths, trip)
         return self._tripwire
 
-    def _check_old_backend(self, after_s: float = 3.0, collect: bool = False) -> None:
-        """A few seconds after a rebuild, check that no array of the old CPU backend lives.
+    def _report_old_backends(self) -> None:
+        """At :meth:`finish`, warn for each rebuild whose replaced CPU backend still has arrays.
 
         A jax array of it that is still referenced (the initial params the program created,
         a numpy view made by ``np.asarray`` of one) keeps the old backend's buffers alive for
         nothing, once per rebuild (in one A/B pair of runs the new backend's steps were also
         slower with it, 0.160 s against 0.140 s; not settled, see README). Warn, naming the fix.
 
-        Listing the arrays costs ~10 us; arrays that are only garbage in reference cycles are
-        listed too until Python's collector frees them, and a full ``gc.collect`` takes
-        ~50-200 ms with jax loaded: run after every admission, it stalled the step it fell in
-        on every member (schedule runs here). So a backend whose arrays are listed is looked
-        at again at later steps, and collected for only at :meth:`finish` (``collect``)."""
-        now = time.monotonic()
-        due = [old for old in self._old_backends if now - old[1] >= after_s]
-        if not due:
+        Only here, once: arrays that are garbage in reference cycles are listed too until a
+        full ``gc.collect`` (~50-200 ms with jax loaded), and run a few seconds after every
+        admission it stalled the step it fell in on every member (schedule runs here)."""
+        olds, self._old_backends = self._old_backends, []
+        listed = [(ref, when) for ref, when in olds if _held_arrays(ref())]
+        if not listed:
             return
-        collected = False
-        for old in due:
-            client = old[0]()
-            held = _held_arrays(client) if client is not None else []
-            if held and collect and not collected:
-                gc.collect()
-                collected = True
-                held = _held_arrays(client)
-            del client
-            if held and not collect:
-                continue  # maybe garbage: look again later
-            self._old_backends.remove(old)
+        gc.collect()
+        now = time.monotonic()
+        for ref, when in listed:
+            held = _held_arrays(ref())
             if held:  # (the client itself may outlive the rebuild in jax's caches; its arrays must not)
                 self.leaked_backends += 1
                 logger.warning("process %d: arrays of the CPU backend replaced %.0f s ago are still alive (%s): "
                                "something holds them (e.g. the initial params, or numpy views of them made by "
                                "np.asarray) and with them that backend's memory; pass host copies (np.array) "
                                "to the trainer and keep no jax arrays across steps", self.process_id,
-                               now - old[1], ", ".join(held[:12]))
+                               now - when, ", ".join(held[:12]))
 
     def _taint(self) -> None:
         """A step failed after its body began: rebuild the CPU data plane before the next one."""
@@ -484,7 +472,7 @@ class ElasticGroup:
     def finish(self, step: int | None = None) -> None:
         """Tell late joiners the run is over (at ``step``), so none waits for peers that are gone."""
         self.hang.finished()
-        self._check_old_backend(after_s=0.0, collect=True)
+        self._report_old_backends()
         kv.mark_finished(step)
         if self._watcher is not None:
             self._watcher.stop()
@@ -665,7 +653,9 @@ class _Watchdog:
 
 
 def _held_arrays(client) -> list[str]:
-    """``dtype[shape]`` of each array of ``client`` that is still alive (its ``live_arrays``)."""
+    """``dtype[shape]`` of each array of ``client`` that is still alive (none if ``client`` is gone)."""
+    if client is None:
+        return []
     try:
         return sorted({f"{a.dtype}{list(a.shape)}" for a in client.live_arrays()})
     except Exception:  # noqa: BLE001 - a client that cannot list them holds none we can name
