@@ -58,7 +58,9 @@ class Incident:
     restart_all: bool = False
     resumed_at: float | None = None  # first commit of a new step after a cold restart
 
-    def story(self) -> str:
+    def story(self, ended: bool = False) -> str:
+        """One line: who died, how the run got over it; ``ended``: the run finished while this
+        incident was open (a restarted process still setting up then is not a lost one)."""
         causes = collections.defaultdict(list)
         for p, how in self.deaths.items():
             causes[(self.death_steps.get(p, self.step), how)].append(p)
@@ -69,16 +71,21 @@ class Incident:
             parts.append(f"{n} member{'s' if n != 1 else ''} retried step {step} in {secs:.1f} s")
         if self.restart_all:
             parts.append("all processes restarted (--restart all)")
-        if self.restored:
-            step, secs = next(iter(self.restored.values()))
-            parts.append(f"{_procs(self.restored)} restored checkpoint step {step} "
-                         f"in {max(s for _, s in self.restored.values()):.1f} s")
+        down = set(self.deaths) - self.back
+        late = down & self.pending if ended else set()  # restarted; the run ended before they rejoined
+        restored = {p: r for p, r in self.restored.items() if p not in late}
+        if restored:
+            step, secs = next(iter(restored.values()))
+            parts.append(f"{_procs(restored)} restored checkpoint step {step} "
+                         f"in {max(s for _, s in restored.values()):.1f} s")
         if self.resumed_at is not None and not self.retried:
             parts.append(f"training resumed after {self.resumed_at - self.start:.1f} s")
         parts.extend(self.rejoins)
-        down = set(self.deaths) - self.back
-        if down and not self.restart_all:
-            parts.append(f"{_procs(down)} did not come back")
+        if late:
+            parts.append(f"{_procs(late)} restarted; the run ended before {'it' if len(late) == 1 else 'they'} "
+                         "could rejoin")
+        if down - late and not self.restart_all:
+            parts.append(f"{_procs(down - late)} did not come back")
         return "; ".join(parts)
 
 
@@ -119,6 +126,7 @@ class RunTracker:
         elif kind == "step_failed" and self.open is not None:
             self.open.failed_steps.add(int(e["step"]))
         elif kind == "rehydrated" and self.open is not None:
+            self.open.restored.pop(p, None)  # a joiner's start-up restore, superseded by a live peer's state
             self.open.rejoins.append(f"process {p} rejoined at step {e.get('step')}, rehydrated from "
                                      f"process {e.get('donor')} in {float(e.get('seconds', 0)):.1f} s")
         elif kind == "restored" and self.open is not None and isinstance(p, int):
@@ -177,8 +185,8 @@ class RunTracker:
             return [self._close()]
         return []
 
-    def _close(self) -> str:
-        story = self.open.story()
+    def _close(self, ended: bool = False) -> str:
+        story = self.open.story(ended)
         self.stories.append(story)
         self.open = None
         return story
@@ -187,7 +195,7 @@ class RunTracker:
         """At the end of the run: the story of an incident still open."""
         if self.open is None:
             return []
-        return [self._close()]
+        return [self._close(ended=True)]
 
     # -- figures --------------------------------------------------------------------------
     def rate(self) -> float | None:

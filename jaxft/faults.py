@@ -5,7 +5,11 @@ A fault spec is ``ACTION:key=value:...``:
 * ``kill:process=1:step=5`` -- worker 1 SIGKILLs itself when it reaches step 5 at the
   default phase (``after-grad``: gradients computed, nothing committed yet).
 * ``kill:process=1:step=5:phase=before-step`` -- choose the phase; see :data:`PHASES`.
-* ``kill-all:step=13`` -- every worker that reaches step 13 at that phase dies.
+* ``kill-all:step=13`` -- the whole job dies at step 13: the first worker to reach it at
+  that phase records it, every worker alive then dies (the step's members at the point
+  itself, a restarted worker still setting up by its launcher), and workers started after
+  it never fire it again (a cold restart that trains through step 13 once more does not
+  die there twice). Per node: the record lives in that node's fault state directory.
 * ``stop:process=2:step=7`` -- SIGSTOP: the worker stays alive but hangs.
 * ``hang:process=2:step=7[:for=30s]`` -- the worker sleeps (alive, running, not stopped)
   at that point, for ``for`` seconds or until killed: a stuck read or a deadlock.
@@ -19,6 +23,9 @@ A fault spec is ``ACTION:key=value:...``:
   adopted yet; ``step`` is the checkpoint's); ``admitted`` (a restarted process in the step
   that admits it, after the rebuild's barriers, before anything else: fires in the joiner,
   with the step it holds).
+* ``kill:process=3:step=20:width=4`` -- ``width=N``: at the first step from 20 on whose
+  members number N (at ``before-step``: the last committed step's, none right after a
+  failed attempt): a story that waits for a rejoin, whatever this machine's speed.
 * ``kill:process=0:after=4.5s`` -- launcher side: SIGKILL worker 0 4.5 s after launch.
 
 Every rule fires once per run, also across restarts: a marker file per (rule, process)
@@ -53,6 +60,7 @@ class FaultRule:
     phase: str = DEFAULT_PHASE
     after: float | None = None
     duration: float | None = None  # hang: seconds to sleep (None: until killed)
+    width: int | None = None  # fire from ``step`` on, at the first step with this many members
     index: int = 0  # position in the rule list; part of the rule's identity
 
     @property
@@ -70,10 +78,16 @@ class FaultRule:
             parts.append(f"after={self.after:g}s")
         if self.duration is not None:
             parts.append(f"for={self.duration:g}s")
+        if self.width is not None:
+            parts.append(f"width={self.width}")
         return ":".join(parts)
 
     def marker(self, process: int) -> str:
         return f"rule{self.index}-p{process}-" + self.spec.replace(":", "_").replace("=", "-")
+
+    def fired_marker(self) -> str:
+        """The run-wide record of a ``kill-all``: its mtime is when the rule first fired."""
+        return f"rule{self.index}-fired-" + self.spec.replace(":", "_").replace("=", "-")
 
 
 def parse_rule(text: str, index: int = 0) -> FaultRule:
@@ -99,8 +113,10 @@ def parse_rule(text: str, index: int = 0) -> FaultRule:
                 fields["after"] = float(value.removesuffix("s"))
             elif key == "for":
                 fields["duration"] = float(value.removesuffix("s"))
+            elif key == "width":
+                fields["width"] = int(value)
             else:
-                raise FaultSpecError(f"fault {text!r}: unknown key {key!r} (process, step, phase, after, for)")
+                raise FaultSpecError(f"fault {text!r}: unknown key {key!r} (process, step, phase, after, for, width)")
         except ValueError as e:
             if isinstance(e, FaultSpecError):
                 raise
@@ -117,6 +133,8 @@ def parse_rule(text: str, index: int = 0) -> FaultRule:
         raise FaultSpecError(f"fault {text!r}: {action} needs process=N")
     if rule.launcher_side and action in ("kill-all", "hang"):
         raise FaultSpecError(f"fault {text!r}: {action} is step-triggered only")
+    if rule.width is not None and (rule.step is None or rule.width < 1):
+        raise FaultSpecError(f"fault {text!r}: width= takes a positive member count, and only with step=K")
     if rule.duration is not None and (action != "hang" or rule.duration < 0):
         raise FaultSpecError(f"fault {text!r}: for= takes a non-negative duration, and only with hang")
     return rule
@@ -144,6 +162,25 @@ def claim(state_dir: str | None, rule: FaultRule, process: int) -> bool:
     return True
 
 
+def fired_at(state_dir: str | None, rule: FaultRule) -> float | None:
+    """When ``rule`` (a ``kill-all``) first fired in any worker sharing ``state_dir``; None: not yet."""
+    if state_dir is None:
+        return None
+    try:
+        return os.stat(os.path.join(state_dir, rule.fired_marker())).st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def _record_fired(state_dir: str | None, rule: FaultRule) -> None:
+    if state_dir is None:
+        return
+    try:
+        os.close(os.open(os.path.join(state_dir, rule.fired_marker()), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        pass  # another member of the step recorded it first
+
+
 def _hang(duration: float | None) -> None:
     deadline = None if duration is None else time.monotonic() + duration
     while deadline is None or time.monotonic() < deadline:
@@ -159,6 +196,13 @@ class FaultInjector:
         self.process_id = process_id
         self.state_dir = state_dir
         self.on_fire = on_fire
+        self.born = time.time()  # a kill-all that fired before this life began is not its fault
+        self.width: int | None = None  # members of the step this process is in (or last committed)
+
+    def at_width(self, width: int | None) -> None:
+        """Record the members of the step just entered (None: the attempt failed; the retry's
+        ``before-step`` must not count the width it had), for ``width=N`` rules."""
+        self.width = width
 
     @classmethod
     def from_env(cls, process_id: int, on_fire: Callable[[FaultRule, int], None] | None = None,
@@ -171,7 +215,14 @@ class FaultInjector:
         if phase not in PHASES:
             raise ValueError(f"unknown fault phase {phase!r}; expected one of {PHASES}")
         for rule in self.rules:
-            if rule.step == step and rule.phase == phase and claim(self.state_dir, rule, self.process_id):
+            if rule.phase != phase or (step != rule.step if rule.width is None
+                                       else step < rule.step or self.width != rule.width):
+                continue
+            if rule.action == "kill-all" and (t := fired_at(self.state_dir, rule)) is not None and t < self.born:
+                continue  # the job died there before this process started: once per run
+            if claim(self.state_dir, rule, self.process_id):
+                if rule.action == "kill-all":
+                    _record_fired(self.state_dir, rule)
                 if self.on_fire is not None:
                     self.on_fire(rule, step)
                 sys.stdout.flush()

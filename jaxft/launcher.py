@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Iterator, TextIO
 
-from jaxft import deaths, envvars, priority
+from jaxft import deaths, envvars, faults, priority
 from jaxft.console import Console
 from jaxft.coordinator import Coordinator, wait_reachable
 from jaxft.errors import EXIT_CONFIG_ERROR, LaunchError
@@ -35,6 +35,8 @@ from jaxft.launch_config import RESTART_POLICIES, LaunchConfig
 from jaxft.procs import _fault_dir, _is_stopped, _set_pdeathsig, detect_gpus
 
 __all__ = ["Launcher", "LaunchConfig", "LaunchError", "RESTART_POLICIES", "detect_gpus"]
+
+KILL_ALL_GRACE_S = 0.5  # the step's members die at the fault point themselves; then the rest
 
 EXIT_REASONS = {EXIT_CONFIG_ERROR: "configuration error", EXIT_HUNG: "hung: it stopped itself, stack in its output",
                 75: "gave up waiting at a barrier (Timeouts.barrier)"}
@@ -51,6 +53,7 @@ class _Worker:
     stopped_since: float | None = None
     restart_at: float | None = None  # a restart is pending until this time
     died_at: float | None = None  # wall-clock time its last incarnation exited
+    launched_at: float = 0.0  # wall-clock time its current incarnation started
     reader: threading.Thread | None = None
 
 
@@ -122,7 +125,7 @@ class Launcher:
             list(self.config.command), env=env,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=preexec)
-        worker.stopped_since = None
+        worker.stopped_since, worker.launched_at = None, time.time()
         worker.reader = threading.Thread(target=self.console.pump,
                                          args=(worker.process_id, worker.incarnation, worker.proc.stdout),
                                          daemon=True)
@@ -215,6 +218,7 @@ class Launcher:
     def _supervise(self, address: str, fault_dir: str, t0: float) -> int:
         c = self.config
         timed = [r for r in self.rules if r.launcher_side]
+        kill_alls = [r for r in self.rules if r.action == "kill-all"]
         hung_after = c.hung_after_s if c.hung_after_s is not None else 2.0 * self.timeouts.heartbeat
         while True:
             if self._stop_signal is not None:
@@ -237,6 +241,11 @@ class Launcher:
                         self.events.log("fault", process=rule.process, incarnation=w.incarnation,
                                         action=rule.action, spec=rule.spec, source="launcher")
                         self._signal_group(w, sig)
+            for rule in list(kill_alls):
+                fired = faults.fired_at(fault_dir, rule)
+                if fired is not None and now - fired >= KILL_ALL_GRACE_S:
+                    kill_alls.remove(rule)
+                    self._kill_the_rest(rule, fired)
             for w in self.workers:
                 if w.restart_at is not None:
                     if now >= w.restart_at and self._lost_since is None:
@@ -279,6 +288,18 @@ class Launcher:
             if all(w.done and w.restart_at is None for w in self.workers):
                 return 0 if all(w.returncode == 0 for w in self.workers) else 1
             time.sleep(0.05)
+
+    def _kill_the_rest(self, rule: faults.FaultRule, fired: float) -> None:
+        """A ``kill-all`` fired in the members at its step: SIGKILL every local worker that was
+        alive then and still is (a restarted process setting up, outside the step), so the whole
+        job dies, as the fault means, and none trains on from a step the others never reach."""
+        for w in self.workers:
+            if w.proc is None or w.proc.poll() is not None or w.launched_at >= fired:
+                continue
+            self.say(f"fault {rule.spec}: sending SIGKILL to process {w.process_id} (alive, outside the step)")
+            self.events.log("fault", process=w.process_id, incarnation=w.incarnation, action=rule.action,
+                            spec=rule.spec, source="launcher")
+            self._signal_group(w, signal.SIGKILL)
 
     def _coordinator_back(self, now: float) -> bool:
         """While the external coordinator is lost, hold restarts until it answers again, for

@@ -498,6 +498,7 @@ class ElasticLoop:
         self.faults.point("before-step", step)
         try:
             with self.group.step() as m:
+                self.faults.at_width(len(m.process_ids))
                 if len(m.process_ids) < self.min_members:  # every member sees the same m: all skip
                     self._too_few = m.process_ids
                     raise _Skip
@@ -537,6 +538,7 @@ class ElasticLoop:
                 scalars = _scalars(metrics)
         except StepFailed as e:
             self._last_failure = str(e)
+            self.faults.at_width(None)
             self.events.log("step_failed", step=step, failed=list(e.failed),
                             cause=str(e.cause).splitlines()[0][:300] if e.cause else "membership changed")
             self.group.exit_if_finished_before_joining()

@@ -47,7 +47,10 @@ def summarize(events: list[dict]) -> dict[str, Any]:
     kills = [e for e in events if e["event"] == "exit" and e.get("signal") == "SIGKILL"]
     failed_steps = [e for e in events if e["event"] == "step_failed"]
     rehydrated = [e for e in events if e["event"] == "rehydrated"]
-    restores = [e for e in events if e["event"] == "restored"]
+    # a joiner's start-up restore, superseded by a live peer's state, is not a checkpoint restore
+    rejoined = {(e.get("process"), e.get("incarnation")) for e in rehydrated}
+    restores = [e for e in events if e["event"] == "restored"
+                and (e.get("process"), e.get("incarnation")) not in rejoined]
     incidents, recoveries = recovery_times(events)
     start = min((e["time"] for e in events if e["event"] in ("run_start", "launch")), default=None)
     end = max((e["time"] for e in events if e["event"] in ("run_end", "final")), default=None)

@@ -3,14 +3,17 @@
 # (or one per local GPU) while processes die, then a summary and a report picture.
 #
 #   scripts/launch_local.sh
-#   N=3 STEPS=80 scripts/launch_local.sh
+#   N=3 STEPS=200 scripts/launch_local.sh
 #   ADMISSION=connect scripts/launch_local.sh   # restarted processes join at once (the others wait)
 #   PRECOMPILE=8 scripts/launch_local.sh        # process 0 compiles the meshes one failure away ahead
 #
-# Creates .venv on first use. Faults: process 0 is killed mid-step (the others retry the
-# step without it, then it is restarted and rehydrated from a live peer), the last process
-# dies before a step, and finally every process dies at once (a cold restart from the
-# latest complete Orbax checkpoint). All processes end with bitwise-identical parameters.
+# Creates .venv on first use. Faults: process 0 is killed mid-step at STEPS/10 (the others
+# retry the step without it), the last process dies before step STEPS/6 while process 0 is
+# still setting up; both are rehydrated from a live peer and rejoin; then, at the first step
+# from 7*STEPS/10 on at full width (width=N: whatever this machine's speed), every process
+# dies at once (a cold restart from the latest complete Orbax checkpoint). All processes end
+# with bitwise-identical parameters. Too few STEPS for the rejoins (about 100 steps each
+# here): the kill-all never fires.
 # Ready admission (the default here): the others train on while a restarted process sets up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +42,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   N=${N:-$(nvidia-smi -L | grep -c '^GPU ')}
 fi
 N=${N:-4}
-STEPS=${STEPS:-50}
+STEPS=${STEPS:-300}
 ADMISSION=${ADMISSION:-ready}
 PRECOMPILE=${PRECOMPILE:-0}  # N: process 0 compiles the one-failure meshes ahead (see README)
 RUN_DIR=${RUN_DIR:-runs/launch_local-$(date +%Y%m%d-%H%M%S)}
@@ -48,9 +51,9 @@ LAST=$((N - 1))
 echo "[launch_local] $N processes, $STEPS steps, run dir $RUN_DIR"
 set +e
 .venv/bin/jaxft launch -n "$N" --gpus "$GPUS" --restart on-failure --run-dir "$RUN_DIR" \
-  --fault "kill:process=0:step=$((STEPS / 5))" \
-  --fault "kill:process=$LAST:step=$((2 * STEPS / 5)):phase=before-step" \
-  --fault "kill-all:step=$((7 * STEPS / 10))" \
+  --fault "kill:process=0:step=$((STEPS / 10))" \
+  --fault "kill:process=$LAST:step=$((STEPS / 6)):phase=before-step" \
+  --fault "kill-all:step=$((7 * STEPS / 10)):width=$N" \
   -- .venv/bin/python examples/flax_digits.py --steps "$STEPS" --checkpoint_every 10 --admission "$ADMISSION" \
      --precompile "$PRECOMPILE"
 code=$?

@@ -31,6 +31,31 @@ def test_tracker_tells_one_story_per_incident():
     assert "step 8/10" in tracker.line(11.0) and "incidents 1" in tracker.line(11.0)
 
 
+def test_a_joiners_start_up_restore_and_a_run_that_ends_before_a_rejoin():
+    m3 = [0, 1, 2]
+    events = [_ev(0, "run_start", process="launcher"), _ev(1, "train_start", process=0, total_steps=10)]
+    events += [_ev(2 + s, "commit", process=p, step=s, members=m3, loss=1.0) for s in range(3) for p in m3]
+    events += [_ev(5.0, "fault", process=2, step=3, action="kill"),
+               _ev(5.1, "exit", process=2, signal="SIGKILL"), _ev(5.1, "restart", process=2, incarnation=1),
+               _ev(6.0, "step_failed", process=0, step=3), _ev(6.5, "commit", process=0, step=3, members=[0, 1]),
+               # process 2's new life reads the latest checkpoint while it sets up, then a peer's state
+               _ev(7.0, "restored", process=2, incarnation=1, step=2, seconds=0.1),
+               _ev(8.0, "rehydrated", process=2, incarnation=1, step=5, from_step=2, donor=1, bytes=10,
+                   seconds=0.3),
+               _ev(8.1, "commit", process=0, step=5, members=m3), _ev(8.1, "commit", process=2, step=5, members=m3)]
+    tracker = RunTracker(3)
+    stories = [s for e in events for s in tracker.feed(e)]
+    assert stories == ["process 2 died at step 3 (SIGKILL); 2 members retried step 3 in 1.5 s; "
+                       "process 2 rejoined at step 5, rehydrated from process 1 in 0.3 s"]
+    late = [_ev(9.0, "fault", process=1, step=6, action="kill"), _ev(9.1, "exit", process=1, signal="SIGKILL"),
+            _ev(9.1, "restart", process=1, incarnation=1), _ev(9.5, "step_failed", process=0, step=6),
+            _ev(9.8, "commit", process=0, step=6, members=[0, 2]),
+            _ev(10.0, "restored", process=1, incarnation=1, step=7, seconds=0.1)]
+    assert [s for e in late for s in tracker.feed(e)] == []
+    assert tracker.finish() == ["process 1 died at step 6 (SIGKILL); 2 members retried step 6 in 0.8 s; "
+                                "process 1 restarted; the run ended before it could rejoin"]
+
+
 def test_progress_console_is_short_and_the_logs_hold_the_rest(tmp_path):
     r = launch(2, [PYTHON, MLP, "--steps", "16", "--checkpoint_every", "4"], "--restart", "on-failure",
                "--fault", "kill:process=1:step=6", "--progress-every", "1000", run_dir=tmp_path,

@@ -56,6 +56,8 @@ def test_parse_rules_forms():
     ("kill:process=1:step=5:phase=mid-step", "unknown phase 'mid-step'"),
     ("kill:process=1:step=5:when=now", "unknown key 'when'"),
     ("kill:process=1", "give exactly one trigger"),
+    ("kill:process=1:step=5:width=0", "width= takes a positive member count"),
+    ("kill:process=1:after=2s:width=3", "width= takes a positive member count"),
     ("stop:process=1", "give exactly one trigger"),
     ("kill-all:phase=after-grad", "give exactly one trigger"),
     ("kill:process=1:step=5:after=3s", "give exactly one trigger"),
@@ -216,21 +218,77 @@ def test_kill_fires_at_its_step_and_once_per_run(tmp_path):
     assert "fire" not in other.stdout
 
 
-def test_kill_all_fires_on_every_process_once(tmp_path):
+# A worker that creates its injector (its life begins), waits for "go" on stdin, then walks
+# the phases of every step, entering each at the width given for it ("4f": at 4, and the
+# attempt fails right after it entered; not retried here).
+WAITING_STEPPER = """
+import sys
+from jaxft.faults import PHASES, FaultInjector, parse_rules
+spec, pid, state_dir, widths = sys.argv[1:5]
+inj = FaultInjector(parse_rules(spec), int(pid), state_dir or None,
+                    on_fire=lambda rule, step: print(f"fire {rule.spec} at {step}", flush=True))
+print("ready", flush=True)
+sys.stdin.readline()
+for step, width in enumerate(widths.split(",")):
+    for phase in PHASES:
+        inj.point(phase, step)
+        print(f"passed {step} {phase}", flush=True)
+        if phase == "before-step":
+            inj.at_width(int(width.rstrip("f")))
+            if width.endswith("f"):
+                inj.at_width(None)
+print("done", flush=True)
+"""
+
+
+def _lives(spec: str, state: str, pids: list[str], widths: str = "4,4,4,4") -> dict[str, tuple[int, str]]:
+    """Start one life per process id at once (all born before any fires), let them step; their
+    exit codes and outputs."""
+    procs = {pid: subprocess.Popen([PYTHON, "-c", WAITING_STEPPER, spec, pid, state, widths], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True, env=clean_env()) for pid in pids}
+    try:
+        for p in procs.values():
+            assert p.stdout.readline().strip() == "ready"
+        for p in procs.values():
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        return {pid: (p.wait(timeout=60), p.stdout.read()) for pid, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_kill_all_kills_each_life_at_its_step_once_per_run(tmp_path):
     state = str(tmp_path / "faults")
     spec = "kill:process=0:step=1:phase=before-step;kill-all:step=2:phase=after-commit"
-    p0 = run_python(STEPPER, spec, "0", state, "4", timeout=60)
-    assert p0.returncode == -signal.SIGKILL, p0.describe()
-    assert _passed(p0.stdout) == _points_before(1, "before-step")  # the earlier rule won
-    p0 = run_python(STEPPER, spec, "0", state, "4", timeout=60)
-    assert p0.returncode == -signal.SIGKILL, p0.describe()
-    assert _passed(p0.stdout) == _points_before(2, "after-commit")
-    p2 = run_python(STEPPER, spec, "2", state, "4", timeout=60)
-    assert p2.returncode == -signal.SIGKILL, p2.describe()
-    assert _passed(p2.stdout) == _points_before(2, "after-commit")
-    for pid in ("0", "2"):
-        again = run_python(STEPPER, spec, pid, state, "4", timeout=60)
-        assert again.returncode == 0 and "fire" not in again.stdout, again.describe()
+    first = _lives(spec, state, ["0", "1", "2"])
+    assert first["0"][0] == -signal.SIGKILL and _passed(first["0"][1]) == _points_before(1, "before-step")
+    for pid in ("1", "2"):  # the members of step 2 die there
+        assert first[pid][0] == -signal.SIGKILL and _passed(first[pid][1]) == _points_before(2, "after-commit")
+    # Lives begun after the job died at step 2 (process 0's restart, a cold restart) train through it.
+    for pid in ("0", "1", "2"):
+        code, out = _lives(spec, state, [pid])[pid]
+        assert code == 0 and "fire" not in out, out
+        assert _passed(out) == _all_points(4)
+
+
+def test_width_rule_waits_for_a_step_of_that_width(tmp_path):
+    spec = "kill:process=1:step=1:phase=before-step:width=4"
+    assert parse_rule(spec).width == 4 and parse_rule(parse_rule(spec).spec) == parse_rule(spec)
+    code, out = _lives(spec, str(tmp_path / "a"), ["1"], widths="4,3,3,4,4")["1"]
+    # before step 1 the last step had 4 members: it fires there ...
+    assert code == -signal.SIGKILL and _passed(out) == _points_before(1, "before-step"), out
+    code, out = _lives(spec, str(tmp_path / "b"), ["1"], widths="3,3,3,4,4")["1"]
+    # ... and here only before step 4, the first after a step of 4 members.
+    assert code == -signal.SIGKILL and _passed(out) == _points_before(4, "before-step"), out
+    code, out = _lives(spec, str(tmp_path / "c"), ["1"], widths="3,4f,3,3")["1"]
+    # after a failed attempt the width is unknown until the next step is entered
+    assert code == 0 and "fire" not in out, out
+    # inside a step it is the step's own width
+    code, out = _lives("kill-all:step=1:width=3", str(tmp_path / "d"), ["2"], widths="3,4,3,3")["2"]
+    assert code == -signal.SIGKILL and _passed(out) == _points_before(2, "after-grad"), out
 
 
 def test_stop_hangs_the_worker_at_its_step(tmp_path):

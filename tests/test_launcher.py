@@ -216,6 +216,24 @@ def test_stopped_worker_is_killed_as_hung_and_restarted(run_dir):
     assert summary(run_dir)["restarts"] == {"0": 0, "1": 1}
 
 
+def test_kill_all_takes_down_a_worker_outside_the_step(run_dir):
+    # process 0 reaches the kill-all's step; process 1 is still "setting up" (a restarted
+    # process not yet admitted): the whole job dies, so its launcher kills process 1 too.
+    code = ("import os, time; from jaxft.faults import FaultInjector\n"
+            "inj = FaultInjector.from_env(int(os.environ['JAXFT_PROCESS_ID']))\n"
+            "if os.environ['JAXFT_PROCESS_ID'] == '0':\n"
+            "    inj.point('after-grad', 0)\n"
+            "time.sleep(60)\n")
+    r = launch(2, py(code), "--restart", "never", "--fault", "kill-all:step=0", run_dir=run_dir, timeout=60)
+    assert r.returncode == 1, r.describe()
+    assert r.elapsed < 30, r.describe()
+    ev = events(run_dir)
+    assert [e["signal"] for e in by_event(ev, "exit")] == ["SIGKILL", "SIGKILL"], r.describe()
+    (swept,) = by_event(ev, "fault", source="launcher")
+    assert swept["process"] == 1 and swept["action"] == "kill-all", swept
+    assert "fault kill-all:step=0:phase=after-grad: sending SIGKILL to process 1" in r.stdout, r.describe()
+
+
 # -- stopping -----------------------------------------------------------------------------
 
 SLEEPER = """
