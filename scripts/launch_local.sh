@@ -9,11 +9,11 @@
 #
 # Creates .venv on first use. Faults: process 0 is killed mid-step at STEPS/10 (the others
 # retry the step without it), the last process dies before step STEPS/6 while process 0 is
-# still setting up; both are rehydrated from a live peer and rejoin; then, at the first step
-# from 7*STEPS/10 on at full width (width=N: whatever this machine's speed), every process
-# dies at once (a cold restart from the latest complete Orbax checkpoint). All processes end
-# with bitwise-identical parameters. Too few STEPS for the rejoins (about 100 steps each
-# here): the kill-all never fires.
+# still setting up; both are rehydrated from a live peer and rejoin; then, right after the
+# first step committed at full width from 7*STEPS/10 on (width=N: whatever this machine's
+# speed), every process dies at once (a cold restart from the latest complete Orbax
+# checkpoint). All processes end with bitwise-identical parameters. Too few STEPS for the
+# rejoins (100-200 steps each on two cores): the kill-all never fires.
 # Ready admission (the default here): the others train on while a restarted process sets up.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +42,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   N=${N:-$(nvidia-smi -L | grep -c '^GPU ')}
 fi
 N=${N:-4}
-STEPS=${STEPS:-300}
+STEPS=${STEPS:-400}
 ADMISSION=${ADMISSION:-ready}
 PRECOMPILE=${PRECOMPILE:-0}  # N: process 0 compiles the one-failure meshes ahead (see README)
 RUN_DIR=${RUN_DIR:-runs/launch_local-$(date +%Y%m%d-%H%M%S)}
@@ -53,7 +53,7 @@ set +e
 .venv/bin/jaxft launch -n "$N" --gpus "$GPUS" --restart on-failure --run-dir "$RUN_DIR" \
   --fault "kill:process=0:step=$((STEPS / 10))" \
   --fault "kill:process=$LAST:step=$((STEPS / 6)):phase=before-step" \
-  --fault "kill-all:step=$((7 * STEPS / 10)):width=$N" \
+  --fault "kill-all:step=$((7 * STEPS / 10)):phase=after-commit:width=$N" \
   -- .venv/bin/python examples/flax_digits.py --steps "$STEPS" --checkpoint_every 10 --admission "$ADMISSION" \
      --precompile "$PRECOMPILE"
 code=$?
