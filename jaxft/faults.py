@@ -83,11 +83,15 @@ class FaultRule:
         return ":".join(parts)
 
     def marker(self, process: int) -> str:
-        return f"rule{self.index}-p{process}-" + self.spec.replace(":", "_").replace("=", "-")
+        return f"rule{self.index}-p{process}-{self._file_spec}"
 
     def fired_marker(self) -> str:
         """The run-wide record of a ``kill-all``: its mtime is when the rule first fired."""
-        return f"rule{self.index}-fired-" + self.spec.replace(":", "_").replace("=", "-")
+        return f"rule{self.index}-fired-{self._file_spec}"
+
+    @property
+    def _file_spec(self) -> str:
+        return self.spec.replace(":", "_").replace("=", "-")
 
 
 def parse_rule(text: str, index: int = 0) -> FaultRule:
@@ -149,17 +153,21 @@ def parse_rules(specs: Sequence[str] | str | None) -> list[FaultRule]:
     return [parse_rule(s, i) for i, s in enumerate(specs)]
 
 
+def _create_once(state_dir: str, name: str) -> bool:
+    """Atomically create the marker file ``name``; False if it exists already."""
+    try:
+        os.close(os.open(os.path.join(state_dir, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 def claim(state_dir: str | None, rule: FaultRule, process: int) -> bool:
     """Atomically mark ``rule`` as fired for ``process``; False if it already fired."""
     if state_dir is None:
         return True
     os.makedirs(state_dir, exist_ok=True)
-    try:
-        fd = os.open(os.path.join(state_dir, rule.marker(process)), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return False
-    os.close(fd)
-    return True
+    return _create_once(state_dir, rule.marker(process))
 
 
 def fired_at(state_dir: str | None, rule: FaultRule) -> float | None:
@@ -170,15 +178,6 @@ def fired_at(state_dir: str | None, rule: FaultRule) -> float | None:
         return os.stat(os.path.join(state_dir, rule.fired_marker())).st_mtime
     except FileNotFoundError:
         return None
-
-
-def _record_fired(state_dir: str | None, rule: FaultRule) -> None:
-    if state_dir is None:
-        return
-    try:
-        os.close(os.open(os.path.join(state_dir, rule.fired_marker()), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        pass  # another member of the step recorded it first
 
 
 def _hang(duration: float | None) -> None:
@@ -221,8 +220,8 @@ class FaultInjector:
             if rule.action == "kill-all" and (t := fired_at(self.state_dir, rule)) is not None and t < self.born:
                 continue  # the job died there before this process started: once per run
             if claim(self.state_dir, rule, self.process_id):
-                if rule.action == "kill-all":
-                    _record_fired(self.state_dir, rule)
+                if rule.action == "kill-all" and self.state_dir is not None:
+                    _create_once(self.state_dir, rule.fired_marker())  # False: another member recorded it
                 if self.on_fire is not None:
                     self.on_fire(rule, step)
                 sys.stdout.flush()

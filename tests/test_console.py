@@ -9,10 +9,16 @@ def _ev(t, event, **fields):
     return {"time": float(t), "event": event, "incarnation": fields.pop("incarnation", 0), **fields}
 
 
+def _healthy_start(members: list[int], steps: int) -> list[dict]:
+    """A run of 10 steps whose first ``steps`` steps commit at ``members``, one a second from t=2."""
+    events = [_ev(0, "run_start", process="launcher"), _ev(1, "train_start", process=0, total_steps=10)]
+    return events + [_ev(2 + s, "commit", process=p, step=s, members=members, loss=1.0)
+                     for s in range(steps) for p in members]
+
+
 def test_tracker_tells_one_story_per_incident():
     m3 = [0, 1, 2]
-    events = [_ev(0, "run_start", process="launcher"), _ev(1, "train_start", process=0, total_steps=10)]
-    events += [_ev(2 + s, "commit", process=p, step=s, members=m3, loss=1.0) for s in range(5) for p in m3]
+    events = _healthy_start(m3, 5)
     events += [_ev(7.0, "fault", process=2, step=5, action="kill"),
                _ev(7.1, "exit", process=2, signal="SIGKILL"), _ev(7.1, "restart", process=2, incarnation=1),
                _ev(8.0, "step_failed", process=0, step=5), _ev(8.0, "step_failed", process=1, step=5),
@@ -33,8 +39,7 @@ def test_tracker_tells_one_story_per_incident():
 
 def test_a_joiners_start_up_restore_and_a_run_that_ends_before_a_rejoin():
     m3 = [0, 1, 2]
-    events = [_ev(0, "run_start", process="launcher"), _ev(1, "train_start", process=0, total_steps=10)]
-    events += [_ev(2 + s, "commit", process=p, step=s, members=m3, loss=1.0) for s in range(3) for p in m3]
+    events = _healthy_start(m3, 3)
     events += [_ev(5.0, "fault", process=2, step=3, action="kill"),
                _ev(5.1, "exit", process=2, signal="SIGKILL"), _ev(5.1, "restart", process=2, incarnation=1),
                _ev(6.0, "step_failed", process=0, step=3), _ev(6.5, "commit", process=0, step=3, members=[0, 1]),
@@ -82,3 +87,17 @@ def test_a_failing_worker_shows_its_last_lines(tmp_path):
     assert "[jaxft] process 1 exited with code 3; its last lines" in r.stdout, r.stdout
     assert "    | about to fail" in r.stdout, r.stdout
     assert "process 0 exited" not in r.stdout
+
+
+def test_summary_counts_a_joiners_start_up_restore_as_no_checkpoint_restore():
+    from jaxft.report import summarize
+
+    events = _healthy_start([0, 1], 2) + [
+        # process 1's new life reads the checkpoint while it sets up, then takes process 0's state
+        _ev(5.0, "restored", process=1, incarnation=1, step=1, seconds=0.1),
+        _ev(6.0, "rehydrated", process=1, incarnation=1, step=2, from_step=1, donor=0, bytes=10, seconds=0.2),
+        # process 0's second life restores cold (nobody is left to rehydrate it)
+        _ev(7.0, "restored", process=0, incarnation=1, step=2, seconds=0.1),
+        _ev(8.0, "run_end", process="launcher")]
+    s = summarize(events)
+    assert s["rejoins"] == 1 and s["restores"] == 1, s
