@@ -7,7 +7,7 @@ The fault-free run is repeated after the faulty one (``--fault-free-runs 2``, th
 the goodput is taken against the mean of the two: on this 2-core machine the same fault-free
 run took anywhere from 55 to 75 s minutes apart, a drift of several seconds per kill.
 
-    .venv/bin/python scripts/recovery_schedule.py [--admission ready|connect] [--steps 450] [--reduction exact] [--precompile 8] [--fault-free-runs 1]
+    .venv/bin/python scripts/recovery_schedule.py [--admission ready|connect] [--steps 450] [--reduction allreduce64|exact] [--precompile 8] [--fault-free-runs 1]
 """
 
 import argparse
@@ -35,7 +35,7 @@ def run(base: str, name: str, steps: int, admission: str, faults: list[str], red
     cmd += ["--", sys.executable, "-m", "jaxft.bench.mlp", "--steps", str(steps), "--step_sleep", "0.1",
             "--check_every", "0", "--admission", admission, "--final_params", os.path.join(run_dir, "final"),
             "--reduction", reduction, "--precompile", str(precompile)] + (
-                ["--exact_chunks", "8"] if reduction == "exact" else [])
+                ["--exact_chunks", "8"] if reduction != "allreduce" else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -56,7 +56,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--admission", default="ready")
     ap.add_argument("--steps", type=int, default=450)
-    ap.add_argument("--reduction", choices=("allreduce", "exact"), default="allreduce")
+    ap.add_argument("--reduction", choices=("allreduce", "allreduce64", "exact"), default="allreduce")
     ap.add_argument("--precompile", type=int, default=0, help="mlp --precompile (jaxft.warmup); 0: off")
     ap.add_argument("--fault-free-runs", type=int, choices=(1, 2), default=2,
                     help="2: the fault-free run before and after the faulty one, goodput against their mean")

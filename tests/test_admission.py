@@ -68,12 +68,13 @@ def assert_bitwise(got: dict, want: dict) -> None:
             k, float(np.max(np.abs(got[k] - want[k]))))
 
 
-def killed_and_restarted(tmp_path, fault: str, n: int, step_sleep: float, *worker_flags: str):
+def killed_and_restarted(tmp_path, fault: str, n: int, step_sleep: float, *worker_flags: str,
+                         reduction: tuple[str, ...] = EXACT):
     """A ready-admission run of ``n`` processes with ``fault``, restarted on failure; checks
     that all ``n`` finish with identical params and returns (events, description, params dir)."""
     out = tmp_path / "final"
     proc, events = train(tmp_path, MLP, "--steps", str(STEPS), "--admission", "ready", "--step_sleep", str(step_sleep),
-                         *EXACT, "--final_params", str(out), *worker_flags, n=n, restart="on-failure",
+                         *reduction, "--final_params", str(out), *worker_flags, n=n, restart="on-failure",
                          faults=[fault], extra=["--timeout", "reset=30"])
     why = proc.describe()
     assert proc.returncode == 0, why
@@ -106,6 +107,27 @@ def test_kill_inside_the_all_reduce_of_four_then_rejoin(reference, tmp_path):
     assert_bitwise(load(out / "final-p1.npz"), reference)  # 4 processes, then 3, then 4: the 1-process bits
     # The worker hands the trainer host copies: every old CPU backend was freed after its rebuild.
     assert not of(events, "backend_leaked"), of(events, "backend_leaked")
+
+
+@pytest.mark.smoke  # the float64 gloo all-reduce on the newest jax too
+def test_the_float64_all_reduce_ends_with_the_1_process_bits_after_a_kill_and_a_rejoin(tmp_path):
+    # reduction="allreduce64": fixed chunks summed in float64 by the step's one all-reduce
+    # (the votes in its buffer). Not guaranteed bitwise (a sum within ~2^-53 of a float32
+    # rounding boundary could round either way), but for this run it is: the survivors
+    # trained at width 2 from step 15, process 1 rejoined, and the run ends with the bits of
+    # a 1-process run.
+    wide = ("--reduction", "allreduce64", "--exact_chunks", "8")
+    ref = tmp_path / "ref"
+    proc, _ = train(ref, MLP, "--steps", str(STEPS), "--admission", "ready", *wide,
+                    "--final_params", str(ref / "final"), n=1)
+    assert proc.returncode == 0, proc.describe()
+    events, why, out = killed_and_restarted(tmp_path / "run", "kill:process=1:step=15:phase=in-step", 3, 0.05,
+                                            reduction=wide)
+    by_step = commits_by_step(events)
+    assert sorted(by_step) == list(range(STEPS))
+    assert by_step[15][0]["members"] == [0, 2] and by_step[STEPS - 1][0]["members"] == [0, 1, 2], why
+    assert of(events, "rehydrated"), why
+    assert_bitwise(load(out / "final-p1.npz"), load(ref / "final" / "final-p0.npz"))
 
 
 def test_a_kill_during_the_first_step_then_rejoin(reference, tmp_path):
@@ -165,14 +187,14 @@ G = 96
 data = jaxft.GlobalBatches(make_dataset(1024), G, seed=0)
 mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
 rep = NamedSharding(mesh, P())
-for reduction, chunks in (("allreduce", None), ("exact", 8)):
+for reduction, chunks in (("allreduce", None), ("allreduce64", 8), ("exact", 8)):
     opt = optax.adam(1e-2)
     params = jax.device_put(init_params(0, 16, 32), rep)
     state = {"params": params, "opt_state": jax.device_put(opt.init(params), rep)}
     batch, mask = shard_batch(data.batch(0), mesh, chunk=G // chunks if chunks else None)
     votes = _votes_array(np.array([0, 1, 0, 1], np.int32), mesh, "data")
-    if reduction == "allreduce":  # what ElasticTrainer runs: the votes in the step's own buffer
-        inner = make_train_step(loss_fn, opt, G, mesh, votes=True)
+    if reduction != "exact":  # what ElasticTrainer runs: the votes in the step's own buffer
+        inner = make_train_step(loss_fn, opt, G, mesh, reduction, chunks, votes=True)
 
         def fn(state, batch, mask, votes):
             p, o, loss, agreed = inner(state["params"], state["opt_state"], batch, mask, votes)
@@ -207,6 +229,7 @@ def test_the_votes_ride_in_the_steps_own_all_reduce():
     assert r.returncode == 0, r.describe()
     rows = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines() if line.strip()}
     assert rows["allreduce"] == ["all-reduce/1", "0,1,0,1"], rows
+    assert rows["allreduce64"] == ["all-reduce/1", "0,1,0,1"], rows  # one float64 buffer
     # the exact reduction: one all-gather of every leaf flattened (trainer._rows), the votes beside it
     assert sorted(rows["exact"][0].split(",")) == ["all-gather/1", "all-reduce/1"] and rows["exact"][1] == "0,1,0,1", rows
 

@@ -1,4 +1,5 @@
-"""The exact reduction: a step's result is bitwise independent of the number of devices.
+"""The chunked reductions: a step's result is bitwise independent of the number of devices
+(``exact``: guaranteed; ``allreduce64``: in practice).
 
 One process with 4 CPU devices (``--xla_force_host_platform_device_count``, in a child
 process so the flag applies); the same params and batches stepped on meshes of 1..4
@@ -36,7 +37,8 @@ def run(width, reduction, chunks):
     return hashlib.sha256(b"".join(x.tobytes() for x in leaves)).hexdigest()
 
 for chunks in map(int, sys.argv[1:]):
-    print(f"exact:{chunks}", *(run(w, "exact", chunks) for w in (1, 2, 3, 4)))
+    for reduction in ("exact", "allreduce64"):
+        print(f"{reduction}:{chunks}", *(run(w, reduction, chunks) for w in (1, 2, 3, 4)))
 print("allreduce", *(run(w, "allreduce", None) for w in (1, 2, 3, 4)))
 '''
 
@@ -52,6 +54,10 @@ def test_exact_reduction_is_bitwise_width_independent():
     for chunks in ("1", "3", "8"):
         shas = rows[f"exact:{chunks}"]
         assert len(shas) == 4 and len(set(shas)) == 1, (chunks, shas)
+        # the float64 all-reduce of the same chunks: the same bits here too (not guaranteed: a
+        # sum within ~2^-53 of a float32 rounding boundary could round either way)
+        wide = rows[f"allreduce64:{chunks}"]
+        assert len(wide) == 4 and len(set(wide)) == 1, (chunks, wide)
     # the default all-reduce is not width-independent: what the exact reduction is for
     assert len(set(rows["allreduce"])) > 1, rows["allreduce"]
 
@@ -69,6 +75,8 @@ def test_exact_reduction_arguments_are_checked():
                           ({"reduction": "exact", "exact_chunks": 0}, "dividing"),
                           ({"reduction": "exact", "exact_chunks": 8, "micro_batch": 4}, "micro_batch=None"),
                           ({"exact_chunks": 8}, "only used with"),
+                          ({"reduction": "allreduce64"}, "exact_chunks"),
+                          ({"reduction": "allreduce64", "exact_chunks": 5}, "dividing"),
                           ({"reduction": "psum"}, "reduction must be")]:
         with pytest.raises(ValueError, match=words):
             jaxft.ElasticTrainer(loss_fn, optax.sgd(0.1), params, data, **kwargs)
@@ -107,3 +115,10 @@ def test_kill_and_narrower_run_end_bitwise_equal(tmp_path):
         assert sorted(e["process"] for e in f) == list(range(n)) and {e["step"] for e in f} == {24}, f
         shas[name] = {e["params_sha256"] for e in f}
     assert len(set.union(*shas.values())) == 1, shas
+
+
+def test_the_bench_cli_lists_the_trainer_reductions():
+    # jaxft.bench names them without importing jax; a new reduction must reach its --reduction
+    from jaxft import bench, trainer
+
+    assert bench.REDUCTIONS == trainer.REDUCTIONS

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 
+REDUCTIONS = ("allreduce", "allreduce64", "exact")  # jaxft.trainer.REDUCTIONS, named without importing jax
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks that print figures")
@@ -29,6 +31,9 @@ def add_parser(sub) -> None:
     o.add_argument("--global-batch", type=int, default=512)
     o.add_argument("--admission", choices=("connect", "ready"), default="connect",
                    help="the elastic step's admission mode (jaxft.ElasticGroup)")
+    o.add_argument("--reduction", choices=REDUCTIONS, default="allreduce",
+                   help="the elastic step's reduction (jaxft.ElasticTrainer; the chunked ones in 8 chunks); the "
+                        "plain loop always runs the all-reduce")
     r = which.add_parser("rehydrate", help="state transfer to a joiner vs a TCP loopback copy")
     r.add_argument("-n", type=int, default=2)
     r.add_argument("--mb", type=float, default=100)
@@ -69,9 +74,10 @@ def run(args) -> int:
     if args.bench == "overhead":
         from jaxft.bench.overhead import bench_overhead
 
-        figures = bench_overhead(args.n, args.steps, args.hidden, args.global_batch, args.admission)
+        figures = bench_overhead(args.n, args.steps, args.hidden, args.global_batch, args.admission,
+                                 args.reduction)
         print(f"per step: elastic {figures['elastic_ms']:.2f} ms, plain {figures['plain_ms']:.2f} ms, "
-              f"ratio {figures['ratio']:.3f} ({figures['processes']} processes)")
+              f"ratio {figures['ratio']:.3f} ({figures['processes']} processes, {figures['reduction']})")
     elif args.bench == "chaos":
         from jaxft.bench.chaos import bench_chaos
 

@@ -18,10 +18,12 @@ flags.DEFINE_integer("steps", 30, "steps to train")
 flags.DEFINE_integer("global_batch", 96, "examples per step, whatever the number of processes")
 flags.DEFINE_integer("seed", 0, "seed of the parameter init and the data order")
 flags.DEFINE_integer("micro_batch", 0, "examples per device per micro-batch (0: no accumulation)")
-flags.DEFINE_enum("reduction", "allreduce", ["allreduce", "exact"],
-                  "allreduce: the gradient sum's rounding depends on the number of processes; exact: "
-                  "bitwise independent of it (see jaxft.ElasticTrainer)")
-flags.DEFINE_integer("exact_chunks", 8, "with --reduction exact: chunks per global batch (must divide it)")
+flags.DEFINE_enum("reduction", "allreduce", ["allreduce", "allreduce64", "exact"],
+                  "allreduce: the gradient sum's rounding depends on the number of processes; allreduce64: "
+                  "fixed chunks summed in float64, in practice independent of it; exact: bitwise independent "
+                  "of it (see jaxft.ElasticTrainer)")
+flags.DEFINE_integer("exact_chunks", 8, "with --reduction allreduce64 or exact: chunks per global batch "
+                     "(must divide it)")
 flags.DEFINE_integer("check_every", 10, "verify bitwise-identical params every N steps (0: never)")
 flags.DEFINE_integer("hidden", 64, "hidden width")
 flags.DEFINE_float("learning_rate", 1e-2, "Adam learning rate")
@@ -123,7 +125,7 @@ def main(argv):
     trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params, data, runtime=rt,
                                    micro_batch=FLAGS.micro_batch or None, check_every=FLAGS.check_every,
                                    reduction=FLAGS.reduction,
-                                   exact_chunks=FLAGS.exact_chunks if FLAGS.reduction == "exact" else None,
+                                   exact_chunks=FLAGS.exact_chunks if FLAGS.reduction != "allreduce" else None,
                                    on_commit=on_commit, group=jaxft.ElasticGroup(admission=FLAGS.admission),
                                    precompile=FLAGS.precompile)
     if ckpt is not None:

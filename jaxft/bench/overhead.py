@@ -10,8 +10,10 @@ import time
 
 from jaxft.bench._jobs import launch, result
 
+CHUNKS = 8  # the chunked reductions' chunk count in this bench
 
-def worker(steps: int, hidden: int, batch: int, admission: str = "connect") -> None:
+
+def worker(steps: int, hidden: int, batch: int, admission: str = "connect", reduction: str = "allreduce") -> None:
     import jaxft
 
     rt = jaxft.initialize()
@@ -37,11 +39,14 @@ def worker(steps: int, hidden: int, batch: int, admission: str = "connect") -> N
 
     tx = optax.sgd(1e-3)
     batches = jaxft.GlobalBatches(data, batch, seed=0)
-    trainer = jaxft.ElasticTrainer(loss_fn, tx, params, batches, runtime=rt,
-                                   group=jaxft.ElasticGroup(admission=admission))
+    chunks = None if reduction == "allreduce" else CHUNKS
+    trainer = jaxft.ElasticTrainer(loss_fn, tx, params, batches, runtime=rt, reduction=reduction,
+                                   exact_chunks=chunks, group=jaxft.ElasticGroup(admission=admission))
     for _ in range(3):  # warm up: the first step rebuilds the data plane (and the backend) and compiles
         trainer.try_step()
-    # The plain loop: same step function, fixed mesh, state kept as global arrays.
+    # The plain loop: the default all-reduce's step function (whatever ``reduction`` the
+    # elastic step uses: its ratio includes the reduction's own cost), fixed mesh, state kept
+    # as global arrays.
     mesh = trainer.group.mesh(sorted(jax.devices(), key=lambda d: d.id))
     fn = make_train_step(loss_fn, tx, batch, mesh)
     plain = {"p": _replicate(params, mesh), "o": _replicate(tx.init(params), mesh), "i": 0}
@@ -67,19 +72,24 @@ def worker(steps: int, hidden: int, batch: int, admission: str = "connect") -> N
     el, pl = statistics.median(t_elastic), statistics.median(t_plain)
     rt.events.log("bench_overhead", elastic_ms=round(el * 1e3, 3), plain_ms=round(pl * 1e3, 3),
                   ratio=round(el / pl, 4), steps=steps, processes=rt.num_processes, hidden=hidden,
-                  global_batch=batch)
+                  global_batch=batch, reduction=reduction)
     trainer.group.finish()
 
 
 def bench_overhead(n: int = 2, steps: int = 100, hidden: int = 512, batch: int = 512,
-                   admission: str = "connect") -> dict:
+                   admission: str = "connect", reduction: str = "allreduce") -> dict:
+    """``reduction`` other than the all-reduce cuts the batch in :data:`CHUNKS` chunks."""
+    if reduction != "allreduce" and batch % CHUNKS:
+        raise ValueError(f"--reduction {reduction} cuts the global batch in {CHUNKS} chunks: {batch} is not a "
+                         "multiple of it")
     with tempfile.TemporaryDirectory() as run_dir:
-        launch(n, __name__, [str(steps), str(hidden), str(batch), admission], run_dir)
+        launch(n, __name__, [str(steps), str(hidden), str(batch), admission, reduction], run_dir)
         r = result(run_dir, "bench_overhead")
-    return {k: r[k] for k in ("elastic_ms", "plain_ms", "ratio", "steps", "processes", "hidden", "global_batch")}
+    return {k: r[k] for k in ("elastic_ms", "plain_ms", "ratio", "steps", "processes", "hidden", "global_batch",
+                              "reduction")}
 
 
 
 
 if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5])
+    worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:6])
