@@ -261,16 +261,59 @@ class Canceller:
             self._tripwire.disarm()
 
 
+class _QueryThread:
+    """A daemon thread that runs one query at a time and waits for the next once it returns.
+
+    Starting a thread per query cost ~0.2 ms of each step's ~0.85 ms exit query (measured: 2
+    processes, medians of 300 steps); handing a query to a waiting thread costs a lock
+    release. A query that never returns (abandoned: it waits for a dead process) keeps its
+    thread, which is never handed another one; the next query gets another thread."""
+
+    IDLE_MAX = 2  # threads kept waiting; more are only ever needed while queries are abandoned
+    _idle: list["_QueryThread"] = []
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._go = threading.Lock()
+        self._go.acquire()
+        self._job: tuple[Callable[[], Any], concurrent.futures.Future] | None = None
+        threading.Thread(target=self._run, name="jaxft-live", daemon=True).start()
+
+    @classmethod
+    def submit(cls, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with cls._lock:
+            worker = cls._idle.pop() if cls._idle else None
+        if worker is None:
+            worker = cls()
+        worker._job = (fn, future)
+        worker._go.release()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            self._go.acquire()
+            (fn, future), self._job = self._job, None
+            try:
+                result, error = fn(), None
+            except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                result, error = None, e
+            with _QueryThread._lock:  # waiting again before the waiter asks its next query
+                keep = len(_QueryThread._idle) < self.IDLE_MAX
+                if keep:
+                    _QueryThread._idle.append(self)
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+            del fn, future, result, error  # hold nothing of a finished query
+            if not keep:
+                return
+
+
 def _ask(query: Callable[[list[int]], Mapping[Any, Any]], pids: Sequence[int]) -> concurrent.futures.Future:
     """Run ``query(pids)`` in a daemon thread (an abandoned one may never return: it must not
-    hold up the interpreter's exit, as a thread pool's workers would)."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            future.set_result(query(list(pids)))
-        except BaseException as e:  # noqa: BLE001 - handed to the waiter
-            future.set_exception(e)
-
-    threading.Thread(target=run, name="jaxft-live", daemon=True).start()
-    return future
+    hold up the interpreter's exit, as a thread pool's workers would), reusing a thread
+    whose last query returned (:class:`_QueryThread`)."""
+    pids = list(pids)
+    return _QueryThread.submit(lambda: query(pids))

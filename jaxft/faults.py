@@ -38,6 +38,7 @@ import dataclasses
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -86,7 +87,7 @@ class FaultRule:
         return f"rule{self.index}-p{process}-{self._file_spec}"
 
     def fired_marker(self) -> str:
-        """The run-wide record of a ``kill-all``: its mtime is when the rule first fired."""
+        """The run-wide record of a ``kill-all``: it holds when the rule first fired (``time.time()``)."""
         return f"rule{self.index}-fired-{self._file_spec}"
 
     @property
@@ -153,12 +154,26 @@ def parse_rules(specs: Sequence[str] | str | None) -> list[FaultRule]:
     return [parse_rule(s, i) for i, s in enumerate(specs)]
 
 
-def _create_once(state_dir: str, name: str) -> bool:
-    """Atomically create the marker file ``name``; False if it exists already."""
+def _create_once(state_dir: str, name: str, content: str = "") -> bool:
+    """Atomically create the marker file ``name`` holding ``content``; False if it exists
+    already. (With content: written to a private file first, then linked in, so a reader
+    never sees the marker empty.)"""
+    path = os.path.join(state_dir, name)
+    if not content:
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(content)
     try:
-        os.close(os.open(os.path.join(state_dir, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        os.link(tmp, path)
     except FileExistsError:
         return False
+    finally:
+        os.unlink(tmp)
     return True
 
 
@@ -174,10 +189,18 @@ def fired_at(state_dir: str | None, rule: FaultRule) -> float | None:
     """When ``rule`` (a ``kill-all``) first fired in any worker sharing ``state_dir``; None: not yet."""
     if state_dir is None:
         return None
+    path = os.path.join(state_dir, rule.fired_marker())
     try:
-        return os.stat(os.path.join(state_dir, rule.fired_marker())).st_mtime
+        with open(path) as f:
+            text = f.read().strip()
+        # the time the firing life wrote: a file's mtime comes from the kernel's coarse clock,
+        # up to a few ms behind time.time(), so a life born just before the fire could read an
+        # mtime before its birth and take the fire for an earlier run's (a flaky test showed it)
+        return float(text) if text else os.stat(path).st_mtime
     except FileNotFoundError:
         return None
+    except ValueError:
+        return os.stat(path).st_mtime
 
 
 def _hang(duration: float | None) -> None:
@@ -221,7 +244,8 @@ class FaultInjector:
                 continue  # the job died there before this process started: once per run
             if claim(self.state_dir, rule, self.process_id):
                 if rule.action == "kill-all" and self.state_dir is not None:
-                    _create_once(self.state_dir, rule.fired_marker())  # False: another member recorded it
+                    # False: another member recorded it
+                    _create_once(self.state_dir, rule.fired_marker(), repr(time.time()))
                 if self.on_fire is not None:
                     self.on_fire(rule, step)
                 sys.stdout.flush()

@@ -4,6 +4,8 @@ import concurrent.futures
 import threading
 import time
 
+import pytest
+
 from jaxft import deaths
 
 
@@ -187,3 +189,34 @@ def test_records_written_in_a_burst_are_all_seen(tmp_path):
     for p in range(4):  # the reader caches by the directory's stamp: each record must show
         deaths.record(str(tmp_path), p, 0)
         assert w.dead(range(4)) == set(range(p + 1))
+
+
+def test_a_query_thread_is_reused_once_its_query_returned_and_never_while_one_hangs():
+    names = []
+
+    def who():
+        names.append(threading.current_thread())  # (an ident may be reused after a thread ends)
+        return {0: 1}
+
+    # (the thread files itself as idle before it hands over the answer: no race here)
+    assert deaths._ask(lambda pids: who(), [0]).result(timeout=5) == {0: 1}
+    assert deaths._ask(lambda pids: who(), [0]).result(timeout=5) == {0: 1}
+    assert names[0] is names[1], "the second query ran on a new thread"
+
+    # a query that never returns (abandoned) keeps its thread; the next one gets another
+    release = threading.Event()
+    hung = deaths._ask(lambda pids: release.wait(30), [0, 1])
+    time.sleep(0.05)
+    assert not hung.done()
+    assert deaths._ask(lambda pids: who(), [0]).result(timeout=5) == {0: 1}
+    release.set()
+    assert hung.result(timeout=5) is True
+
+    # an error reaches the waiter, and the thread stays usable
+    def boom(pids):
+        raise RuntimeError("service gone")
+
+    with pytest.raises(RuntimeError, match="service gone"):
+        deaths._ask(boom, [0]).result(timeout=5)
+    assert deaths._ask(lambda pids: sorted(pids), [2, 1]).result(timeout=5) == [1, 2]
+    assert len(deaths._QueryThread._idle) <= deaths._QueryThread.IDLE_MAX
