@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
-from jaxft import envvars
+from jaxft import dirwatch, envvars
 
 SUBDIR = "deaths"
 _ASKED = "asked"  # key of the set last asked in an answer of DeathWatch._ask_once
@@ -112,24 +112,26 @@ class DeathWatch:
             elif known[0] is None:
                 self.since[p] = (inc, known[1])
 
-    def _records(self) -> dict[int, float]:
-        """:func:`deaths`, re-read only when the records directory changed (it is polled)."""
+    def _records(self, fresh: bool = False) -> dict[int, float]:
+        """:func:`deaths`, re-read only when the records directory changed (it is polled), or
+        ``fresh`` (the caller knows it changed)."""
         try:
             st = os.stat(os.path.join(self.state_dir, SUBDIR))
             stamp = (st.st_mtime_ns, st.st_ino)
         except OSError:
             return {}
         with self._lock:
-            if self._stamp != stamp or time.time() - self._read_at > 0.25:
+            if fresh or self._stamp != stamp or time.time() - self._read_at > 0.25:
                 self._cache, self._stamp, self._read_at = deaths(self.state_dir), stamp, time.time()
             return self._cache
 
-    def dead(self, pids: Sequence[int]) -> set[int]:
+    def dead(self, pids: Sequence[int], fresh: bool = False) -> set[int]:
         """Those of ``pids`` whose current life, as this process knows it, was recorded dead
-        (a life it knows nothing of never counts: the heartbeat decides then)."""
+        (a life it knows nothing of never counts: the heartbeat decides then); ``fresh``:
+        re-read the records (see :meth:`_records`)."""
         if not self.state_dir:
             return set()
-        rec = self._records()
+        rec = self._records(fresh)
         return {p for p in pids if p in rec and p in self.since and rec[p] > self.since[p][1]}
 
     def live_nodes(self, query: Callable[[list[int]], Mapping[Any, Any]], pids: Sequence[int],
@@ -204,39 +206,72 @@ class DeathWatch:
 
 class Tripwire:
     """While armed over a step's members, calls ``action(dead)`` once if the launcher records
-    one of them dead (a daemon thread, polling the records every ``poll_s``)."""
+    one of them dead (a daemon thread).
+
+    On Linux the thread sleeps until a record lands (:class:`jaxft.dirwatch.DirWatch`), so an
+    armed tripwire costs nothing while nobody dies; an arming checks the records only when
+    they may say something new to it (other members than the last check's, a record that
+    landed while it was disarmed, or a fire since), and every ``SAFETY_S`` anyway. Elsewhere
+    it polls every ``poll_s`` while armed."""
+
+    SAFETY_S = 0.25
 
     def __init__(self, watch: DeathWatch, action: Callable[[set[int]], None], poll_s: float = 0.01):
         self.watch, self.action, self.poll_s = watch, action, poll_s
         self._cond = threading.Condition()
         self._armed: tuple[int, ...] | None = None
         self._epoch = 0
+        self._checked: tuple[int, ...] | None = None  # members of the last check that found nobody
+        self._dirty = True  # the records may have changed since that check
+        self._dir: dirwatch.DirWatch | None = None
         if watch.state_dir:
-            threading.Thread(target=self._run, daemon=True, name="jaxft-tripwire").start()
+            self._dir = dirwatch.DirWatch(os.path.join(watch.state_dir, SUBDIR))
+            run = self._run_native if self._dir.native else self._run_polling
+            threading.Thread(target=run, daemon=True, name="jaxft-tripwire").start()
 
     def arm(self, pids: Sequence[int]) -> None:
         with self._cond:
             self._armed, self._epoch = tuple(pids), self._epoch + 1
+            check = self._dirty or self._armed != self._checked
             self._cond.notify()
+        if check and self._dir is not None:
+            self._dir.wake()
 
     def disarm(self) -> None:
         with self._cond:
             self._armed = None
 
-    def _run(self) -> None:
+    def _check(self, pids: tuple[int, ...], epoch: int, fresh: bool) -> None:
+        """Fire if one of ``pids`` (armed at ``epoch``) is recorded dead and still armed."""
+        gone = self.watch.dead(pids, fresh=fresh)
+        with self._cond:
+            fire = bool(gone) and self._armed is not None and self._epoch == epoch
+            if fire:
+                self._armed, self._dirty = None, True  # once per arming; the next one looks again
+            elif not gone and self._epoch == epoch:
+                self._checked, self._dirty = pids, False
+        if fire:
+            self.action(gone)
+
+    def _run_native(self) -> None:
+        changed = True
+        while True:
+            with self._cond:
+                pids, epoch = self._armed, self._epoch
+                if pids is None and changed:
+                    self._dirty = True  # a record landed between steps: the next arming looks
+            if pids is not None:
+                self._check(pids, epoch, fresh=True)
+            changed = self._dir.wait(self.SAFETY_S)
+
+    def _run_polling(self) -> None:
         while True:
             with self._cond:
                 while self._armed is None:
                     self._cond.wait()
                 pids, epoch = self._armed, self._epoch
-            gone = self.watch.dead(pids)
-            with self._cond:
-                fire = bool(gone) and self._armed is not None and self._epoch == epoch
-                if fire:
-                    self._armed = None  # once per arming
-            if fire:
-                self.action(gone)
-            else:
+            self._check(pids, epoch, fresh=False)
+            if self._armed is not None:
                 time.sleep(self.poll_s)
 
 

@@ -192,14 +192,13 @@ def fired_at(state_dir: str | None, rule: FaultRule) -> float | None:
     path = os.path.join(state_dir, rule.fired_marker())
     try:
         with open(path) as f:
-            text = f.read().strip()
-        # the time the firing life wrote: a file's mtime comes from the kernel's coarse clock,
-        # up to a few ms behind time.time(), so a life born just before the fire could read an
-        # mtime before its birth and take the fire for an earlier run's (a flaky test showed it)
-        return float(text) if text else os.stat(path).st_mtime
+            # the time the firing life wrote: a file's mtime comes from the kernel's coarse clock,
+            # up to a few ms behind time.time(), so a life born just before the fire could read an
+            # mtime before its birth and take the fire for an earlier run's (a flaky test showed it)
+            return float(f.read())
     except FileNotFoundError:
         return None
-    except ValueError:
+    except ValueError:  # a record written by older code (empty): its mtime
         return os.stat(path).st_mtime
 
 

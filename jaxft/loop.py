@@ -253,6 +253,7 @@ class ElasticLoop:
         self._precompiled: set[tuple[int, ...]] = set()  # member sets compiled ahead in this life
         self._leaks_logged = 0
         self._batch_template: PyTree | None = None  # shapes and dtypes of a host global batch
+        self._votes: tuple | None = None  # ((device ids, vote bytes), global votes array): see _votes_on
 
     @property
     def global_batch(self) -> int:
@@ -294,6 +295,7 @@ class ElasticLoop:
 
     def _state_to_host(self) -> None:
         self._global = None
+        self._votes = None  # (an array of the backend a rebuild replaces)
         self.state = to_host(self.state)
 
     def restore(self, step: int, state: PyTree) -> None:
@@ -424,6 +426,15 @@ class ElasticLoop:
         self._warmer.pause()
         self._warmed_for = None
 
+    def _votes_on(self, votes: np.ndarray, m: Members) -> jax.Array:
+        """``votes`` as the step's ``[D, P]`` input, the last step's array while the votes and
+        the devices stay the same (nearly every step: nobody waits to join), not a new one
+        per step (``make_array_from_callback``: ~0.14 ms of each step's host time)."""
+        key = (tuple(d.id for d in m.devices), votes.tobytes())
+        if self._votes is None or self._votes[0] != key:
+            self._votes = (key, _votes_array(votes, m.mesh, self.group.axis_name))
+        return self._votes[1]
+
     def _replicated(self, state: PyTree, m: Members) -> PyTree:
         g = self._global
         leaves = jax.tree_util.tree_leaves(state)
@@ -513,7 +524,7 @@ class ElasticLoop:
                 args = (self._replicated(state, m), batch, mask)
                 if self.group.admission == "ready":  # admission votes ride in the step's own program
                     votes = self._hold_if_left(self.group.votes(m), m)
-                    args += (_votes_array(votes, m.mesh, self.group.axis_name),)
+                    args += (self._votes_on(votes, m),)
 
                 def program(step=step, fn=fn, args=args, mesh=m.mesh):
                     self.faults.point("in-step", step)

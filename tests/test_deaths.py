@@ -6,7 +6,15 @@ import time
 
 import pytest
 
-from jaxft import deaths
+from jaxft import deaths, dirwatch
+
+
+@pytest.fixture(params=["inotify", "polling"])
+def wakeups(request, monkeypatch):
+    """Each tripwire test runs on inotify (Linux) and on the polling fallback (elsewhere)."""
+    if request.param == "polling":
+        monkeypatch.setattr(dirwatch, "_inotify_fd", lambda path: None)
+    return request.param
 
 
 def test_a_record_counts_only_against_a_life_seen_before_it(tmp_path):
@@ -147,7 +155,7 @@ def test_an_old_answer_naming_a_joiners_previous_life_is_not_reused(tmp_path):
     assert w.live_nodes(query, [0, 1, 2], expect={1}) == {0: 10, 1: 31, 2: 22} and len(asked) == 1
 
 
-def test_a_tripwire_fires_once_per_arming_for_a_member_recorded_dead(tmp_path):
+def test_a_tripwire_fires_once_per_arming_for_a_member_recorded_dead(tmp_path, wakeups):
     w = deaths.DeathWatch(str(tmp_path))
     w.saw({0: 1, 1: 1, 2: 1})
     fired: list[set[int]] = []
@@ -170,7 +178,7 @@ def test_a_tripwire_fires_once_per_arming_for_a_member_recorded_dead(tmp_path):
     wire.disarm()
 
 
-def test_a_disarmed_tripwire_never_fires(tmp_path):
+def test_a_disarmed_tripwire_never_fires(tmp_path, wakeups):
     w = deaths.DeathWatch(str(tmp_path))
     w.saw({1: 1})
     fired = []
@@ -180,6 +188,68 @@ def test_a_disarmed_tripwire_never_fires(tmp_path):
     deaths.record(str(tmp_path), 1, 0)
     time.sleep(0.1)
     assert fired == []
+
+
+def test_a_record_that_lands_between_steps_fires_at_the_next_arming(tmp_path, wakeups, monkeypatch):
+    monkeypatch.setattr(deaths.Tripwire, "SAFETY_S", 60.0)  # only the arming itself can look in time
+    w = deaths.DeathWatch(str(tmp_path))
+    w.saw({1: 1, 2: 1})
+    hit = threading.Event()
+    fired: list[set[int]] = []
+    wire = deaths.Tripwire(w, lambda dead: (fired.append(dead), hit.set()), poll_s=0.005)
+    for _ in range(3):  # steps over the same members: the last check found nobody
+        wire.arm([1, 2])
+        time.sleep(0.02)
+        wire.disarm()
+    deaths.record(str(tmp_path), 2, 0)  # between two steps
+    time.sleep(0.05)
+    assert fired == []
+    wire.arm([1, 2])  # the same members as the last check: the record must still be seen
+    assert hit.wait(10)
+    assert fired == [{2}]
+    wire.disarm()
+    hit.clear()
+    wire.arm([1, 2])  # the record stays, and each arming fires once
+    assert hit.wait(10) and fired == [{2}, {2}]
+    wire.disarm()
+
+
+def test_on_inotify_an_armed_tripwire_reads_nothing_until_a_record_lands(tmp_path, monkeypatch):
+    monkeypatch.setattr(deaths.Tripwire, "SAFETY_S", 60.0)
+    w = deaths.DeathWatch(str(tmp_path))
+    if not deaths.Tripwire(w, lambda dead: None)._dir.native:
+        pytest.skip("no inotify here (the tripwire polls)")
+    w.saw({1: 1, 2: 1})
+    reads = []
+    dead = w.dead
+    w.dead = lambda pids, fresh=False: (reads.append(time.monotonic()), dead(pids, fresh))[1]
+    hit = threading.Event()
+    wire = deaths.Tripwire(w, lambda gone: hit.set())
+    for _ in range(50):  # 50 steps of ~2 ms over the same members
+        wire.arm([1, 2])
+        time.sleep(0.002)
+        wire.disarm()
+    wire.arm([1, 2])
+    time.sleep(0.05)
+    assert len(reads) == 1, reads  # the first arming's (the polling loop read every 10 ms)
+    deaths.record(str(tmp_path), 1, 0)
+    assert hit.wait(10), "the record did not wake the tripwire"  # (SAFETY_S is a minute here)
+    wire.disarm()
+
+
+def test_a_dir_watch_wakes_on_a_replaced_entry_on_wake_and_on_its_timeout(tmp_path):
+    d = dirwatch.DirWatch(str(tmp_path / "deaths"))  # (made if missing)
+    t0 = time.monotonic()
+    assert d.wait(0.05) is False and time.monotonic() - t0 >= 0.04
+    d.wake()
+    t0 = time.monotonic()
+    assert d.wait(30) is False and time.monotonic() - t0 < 10
+    if not d.native:
+        pytest.skip("no inotify here: only wake() and the timeout end a wait")
+    deaths.record(str(tmp_path), 3, 0)  # written aside, then os.replace'd in
+    t0 = time.monotonic()
+    assert d.wait(30) is True and time.monotonic() - t0 < 10
+    assert d.wait(0.01) is False  # drained: one landing, one wake-up
 
 
 def test_records_written_in_a_burst_are_all_seen(tmp_path):
