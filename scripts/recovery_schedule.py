@@ -18,9 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-import numpy as np
-
-from jaxft.bench.chaos import run_figures
+from jaxft.bench.chaos import final_params, params_diff, reduction_flags, run_figures
 from jaxft.report import first_commits
 from jaxft.events import read_events
 
@@ -34,8 +32,7 @@ def run(base: str, name: str, steps: int, admission: str, faults: list[str], red
         cmd += ["--fault", f]
     cmd += ["--", sys.executable, "-m", "jaxft.bench.mlp", "--steps", str(steps), "--step_sleep", "0.1",
             "--check_every", "0", "--admission", admission, "--final_params", os.path.join(run_dir, "final"),
-            "--reduction", reduction, "--precompile", str(precompile)] + (
-                ["--exact_chunks", "8"] if reduction != "allreduce" else [])
+            "--precompile", str(precompile), *reduction_flags(reduction)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -47,8 +44,7 @@ def run(base: str, name: str, steps: int, admission: str, faults: list[str], red
     gaps = [first[s + 1] - first[s] for s in range(steps - 1)]
     median = statistics.median(gaps)
     fig["stall_excess_s"] = round(sum(max(0.0, g - median) for g in gaps), 3)
-    with np.load(os.path.join(run_dir, "final", "final-p0.npz")) as z:
-        fig["params"] = {k: z[k] for k in z.files}
+    fig["params"] = final_params(run_dir)
     return fig
 
 
@@ -69,17 +65,15 @@ def main() -> None:
     if args.fault_free_runs == 2:
         refs.append(run(base, "fault_free_after", args.steps, args.admission, [], args.reduction, args.precompile))
     ref_s = sum(r["train_s"] for r in refs) / len(refs)
-    rel = {k: float(np.linalg.norm(ft["params"][k] - v) / max(np.linalg.norm(v), 1e-30))
-           for k, v in ff["params"].items()}
-    bitwise = all(np.array_equal(ft["params"][k], v) for k, v in ff["params"].items())
-    same_refs = all(np.array_equal(r["params"][k], v) for r in refs for k, v in ff["params"].items())
+    diff = params_diff(ft["params"], ff["params"])
+    same_refs = all(params_diff(r["params"], ff["params"])["bitwise_equal"] for r in refs)
     out = {"admission": args.admission, "reduction": args.reduction, "precompile": args.precompile,
            "goodput": round(ref_s / ft["train_s"], 3),
            "lost_per_kill_s": round((ft["train_s"] - ref_s) / len(kills), 3),
            "fault_free_train_s": [r["train_s"] for r in refs],
            "fault_free": {k: v for k, v in ff.items() if k != "params"},
            "jaxft": {k: v for k, v in ft.items() if k != "params"},
-           "params_bitwise_equal": bitwise, "params_max_rel_diff_per_leaf": max(rel.values()),
+           "params_bitwise_equal": diff["bitwise_equal"], "params_max_rel_diff_per_leaf": diff["max_rel_diff_per_leaf"],
            "fault_free_runs_bitwise_equal": same_refs, "dirs": base}
     print(json.dumps(out, indent=2))
 

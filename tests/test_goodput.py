@@ -58,3 +58,23 @@ def test_report_compares_two_runs_side_by_side(tmp_path):
     assert set(out["runs"]) == {"steady", "redone"}, out.keys()
     assert out["runs"]["redone"]["goodput"]["wall_s"] > out["runs"]["steady"]["goodput"]["wall_s"]
     assert (tmp_path / "steady" / "compare.png").stat().st_size > 0
+
+
+def test_the_chaos_figures_compare_params_leaf_by_leaf_and_check_the_finals_agree():
+    import numpy as np
+
+    from jaxft.bench.chaos import params_diff, run_figures
+
+    ref = {"w": np.array([1.0, 2.0, 3.0], np.float32), "b": np.array([4.0], np.float32)}
+    assert params_diff(dict(ref), ref) == {"bitwise_equal": True, "max_rel_diff_per_leaf": 0.0}
+    permuted = {"w": ref["w"][::-1].copy(), "b": ref["b"]}  # the same norm: a norm check would pass it
+    d = params_diff(permuted, ref)
+    assert not d["bitwise_equal"] and d["max_rel_diff_per_leaf"] > 0.5
+    nudged = {"w": ref["w"], "b": np.nextafter(ref["b"], np.float32(5))}
+    d = params_diff(nudged, ref)
+    assert not d["bitwise_equal"] and 0 < d["max_rel_diff_per_leaf"] < 1e-6
+    ev = [_ev(s, "commit", step=s, members=[0, 1], process=p) for s in range(3) for p in (0, 1)]
+    same = ev + [_ev(3, "final", params_sha256="aa", process=p) for p in (0, 1)]
+    assert run_figures(same, 3)["finals_agree"]
+    split = ev + [_ev(3, "final", params_sha256=h, process=p) for p, h in ((0, "aa"), (1, "bb"))]
+    assert not run_figures(split, 3)["finals_agree"]

@@ -11,9 +11,30 @@ import subprocess
 import sys
 import tempfile
 
-from jaxft.bench.overhead import bench_overhead
+import numpy as np
+
+from jaxft.bench.overhead import CHUNKS, bench_overhead
 from jaxft.events import read_events
 from jaxft.report import first_commits, recovery_times
+
+
+def reduction_flags(reduction: str) -> list[str]:
+    """:mod:`jaxft.bench.mlp`'s flags for ``reduction`` (the chunked ones in :data:`CHUNKS` chunks)."""
+    return ["--reduction", reduction] + (["--exact_chunks", str(CHUNKS)] if reduction != "allreduce" else [])
+
+
+def final_params(run_dir: str) -> dict[str, np.ndarray]:
+    """Process 0's final params, as ``jaxft.bench.mlp --final_params RUN_DIR/final`` wrote them."""
+    with np.load(os.path.join(run_dir, "final", "final-p0.npz")) as z:
+        return {k: z[k] for k in z.files}
+
+
+def params_diff(params: dict[str, np.ndarray], reference: dict[str, np.ndarray]) -> dict:
+    """``params`` against ``reference`` leaf by leaf: bitwise equal, and the largest relative
+    difference ``|a - b| / |b|`` (norms over each leaf) of any leaf."""
+    rel = [float(np.linalg.norm(params[k] - v) / max(float(np.linalg.norm(v)), 1e-30)) for k, v in reference.items()]
+    return {"bitwise_equal": all(np.array_equal(params[k], v) for k, v in reference.items()),
+            "max_rel_diff_per_leaf": max(rel, default=0.0)}
 
 
 def run_figures(events: list[dict], steps: int) -> dict:
@@ -32,6 +53,7 @@ def run_figures(events: list[dict], steps: int) -> dict:
     train_s = first[steps - 1] - first[0]
     times = [first[s] for s in range(steps)]
     widths = [len(e["members"]) for e in events if e["event"] == "commit"]
+    finals = {e["params_sha256"] for e in events if e["event"] == "final"}
     return {"train_s": round(train_s, 3), "steps_per_s": round((steps - 1) / train_s, 3),
             "steps_lost": max(per_process.values(), default=0),
             "recovery_s": round(statistics.mean(recoveries), 3) if recoveries else None,
@@ -39,28 +61,34 @@ def run_figures(events: list[dict], steps: int) -> dict:
             # the longest gap between consecutive new committed steps, and the fewest members
             # on a committed step (below n: the survivors trained on while a process came back)
             "max_stall_s": round(max((b - a for a, b in zip(times, times[1:])), default=0.0), 3),
-            "min_width": min(widths, default=0)}
+            "min_width": min(widths, default=0),
+            "finals_agree": len(finals) == 1}  # every process that finished holds the same params
 
 
 def bench_chaos(n: int = 4, steps: int = 300, kill_every: float | None = None, checkpoint_every: int = 20,
                 step_sleep: float = 0.1, seed: int = 0, keep_dirs: str | None = None,
-                overhead: bool = True, kills: int = 5, admission: str = "ready", precompile: int = 8) -> dict:
+                overhead: bool = True, kills: int = 5, admission: str = "ready", precompile: int = 8,
+                reduction: str = "allreduce") -> dict:
     """The same training three ways: fault-free, jaxft with kills, restart-all with kills.
 
     The kills fall every ``kill_every`` seconds of the fault-free run's training time, or,
     by default, ``kills`` of them spread evenly over it. The jaxft run uses ``admission``
     (``ready``: survivors train on while a restarted process sets up) and ``precompile``
     (:mod:`jaxft.warmup`); so does the fault-free run, the reference of every goodput. The
-    restart-all run has no use for either.
+    restart-all run has no use for either. All three use ``reduction`` (``jaxft.ElasticTrainer``;
+    the chunked ones in :data:`CHUNKS` chunks), and each faulty run's final params are compared
+    with the fault-free run's leaf by leaf (``params_vs_fault_free``).
     """
     import random
 
     base = keep_dirs or tempfile.mkdtemp(prefix="jaxft-chaos-")
     worker = ["-m", "jaxft.bench.mlp", "--steps", str(steps), "--step_sleep", str(step_sleep),
-              "--checkpoint_every", str(checkpoint_every), "--check_every", "0"]
+              "--checkpoint_every", str(checkpoint_every), "--check_every", "0", *reduction_flags(reduction)]
+    params: dict[str, dict[str, np.ndarray]] = {}
 
     def job(name: str, restart: str, faults: list[str], extra: tuple[str, ...] = ()) -> list[dict]:
         run_dir = os.path.join(base, name)
+        extra = (*extra, "--final_params", os.path.join(run_dir, "final"))
         cmd = [sys.executable, "-m", "jaxft.cli", "launch", "-n", str(n), "--run-dir", run_dir,
                "--restart", restart, "--max-restarts", "50"]
         for f in faults:
@@ -68,6 +96,7 @@ def bench_chaos(n: int = 4, steps: int = 300, kill_every: float | None = None, c
         proc = subprocess.run(cmd + ["--", sys.executable, *worker, *extra], capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"chaos run {name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
+        params[name] = final_params(run_dir)
         return read_events(run_dir)
 
     elastic = ("--admission", admission, "--precompile", str(precompile))
@@ -92,9 +121,11 @@ def bench_chaos(n: int = 4, steps: int = 300, kill_every: float | None = None, c
     ff = figures["fault_free"]["train_s"]
     for name in figures:
         figures[name]["goodput"] = round(ff / figures[name]["train_s"], 3)
+        if name != "fault_free":
+            figures[name]["params_vs_fault_free"] = params_diff(params[name], params["fault_free"])
     figures["schedule"] = schedule
     figures["config"] = {"processes": n, "steps": steps, "kill_every_s": kill_every, "kills": len(schedule),
-                         "admission": admission, "precompile": precompile,
+                         "admission": admission, "precompile": precompile, "reduction": reduction,
                          "checkpoint_every": checkpoint_every, "step_sleep_s": step_sleep, "seed": seed,
                          "run_dirs": base if keep_dirs else None}
     if overhead:
