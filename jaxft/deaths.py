@@ -241,17 +241,23 @@ class Tripwire:
         with self._cond:
             self._armed = None
 
-    def _check(self, pids: tuple[int, ...], epoch: int, fresh: bool) -> None:
-        """Fire if one of ``pids`` (armed at ``epoch``) is recorded dead and still armed."""
+    def _check(self, pids: tuple[int, ...], epoch: int, fresh: bool) -> bool:
+        """Fire if one of ``pids`` (armed at ``epoch``) is recorded dead and still armed; True
+        if a look is owed to an arming made meanwhile (it found a death, but not for it)."""
         gone = self.watch.dead(pids, fresh=fresh)
+        owed = False
         with self._cond:
             fire = bool(gone) and self._armed is not None and self._epoch == epoch
             if fire:
                 self._armed, self._dirty = None, True  # once per arming; the next one looks again
             elif not gone and self._epoch == epoch:
                 self._checked, self._dirty = pids, False
+            elif gone:  # re-armed or disarmed under the check: the next arming looks again
+                self._dirty = True
+                owed = self._armed is not None
         if fire:
             self.action(gone)
+        return owed
 
     def _run_native(self) -> None:
         changed = True
@@ -260,8 +266,9 @@ class Tripwire:
                 pids, epoch = self._armed, self._epoch
                 if pids is None and changed:
                     self._dirty = True  # a record landed between steps: the next arming looks
-            if pids is not None:
-                self._check(pids, epoch, fresh=True)
+            if pids is not None and self._check(pids, epoch, fresh=True):
+                changed = True
+                continue
             changed = self._dir.wait(self.SAFETY_S)
 
     def _run_polling(self) -> None:
