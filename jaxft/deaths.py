@@ -234,7 +234,7 @@ class Tripwire:
             self._armed, self._epoch = tuple(pids), self._epoch + 1
             check = self._dirty or self._armed != self._checked
             self._cond.notify()
-        if check and self._dir is not None:
+        if check and self._dir is not None and self._dir.native:
             self._dir.wake()
 
     def disarm(self) -> None:

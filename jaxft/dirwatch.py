@@ -61,7 +61,10 @@ class DirWatch:
 
     def __init__(self, path: str):
         self.path = path
-        os.makedirs(path, exist_ok=True)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:  # (then no inotify either: only the caller's timeout)
+            logger.debug("cannot make %s: %s", path, e)
         self._fd = _inotify_fd(path)
         self._r, self._w = os.pipe()  # wake(): not inherited by children (PEP 446)
         os.set_blocking(self._r, False)
