@@ -290,11 +290,17 @@ class Canceller:
     def __init__(self, watch: DeathWatch):
         self.watch = watch
         self._event = threading.Event()
-        self._tripwire = Tripwire(watch, lambda dead: self._event.set())
+        self._tripwire = Tripwire(watch, self._fire)
+
+    def _fire(self, dead: set[int]) -> None:
+        event = self._event
+        event.dead = set(dead)  # type: ignore[attr-defined]  # for the message of whoever gives up
+        event.set()
 
     @contextlib.contextmanager
     def during(self, event: threading.Event, pids: Sequence[int]) -> Iterator[None]:
-        """While inside, ``event`` is set if one of ``pids`` is recorded dead."""
+        """While inside, ``event`` is set if one of ``pids`` is recorded dead (its ``dead``
+        attribute then names them: a barrier may meet the event before it waits at all)."""
         self._event = event
         self._tripwire.arm(pids)
         try:

@@ -216,11 +216,19 @@ class KVBarrier:
                     f"({self.timeouts.describe(self.dead_after)})")
         return None
 
+    def _cancelled(self, key: str, missing: set[int] | None) -> Exception:
+        """The error of a barrier whose ``cancel`` is set: the dead the canceller named
+        (:class:`jaxft.deaths.Canceller`), else those still missing, else no names."""
+        dead = getattr(self.cancel, "dead", None) or missing
+        if dead:
+            return self.abandoned_error(f"barrier {key}: processes {sorted(dead)} died before arriving")
+        return self.abandoned_error(f"barrier {key}: {self.what} abandoned")
+
     def __call__(self, *, key: str, timeout_ms: int) -> None:
         if self.processes <= {self.me}:
             return
         if self.cancel.is_set():
-            raise self.abandoned_error(f"barrier {key}: {self.what} abandoned")
+            raise self._cancelled(key, None)
         c = client()
         nonce = Heartbeat.get().nonce
         with self._lock:
@@ -245,7 +253,7 @@ class KVBarrier:
                     self._passed(key, n)
                     return
                 if self.cancel.is_set():
-                    raise self.abandoned_error(f"barrier {key}: processes {sorted(missing)} died before arriving")
+                    raise self._cancelled(key, missing)
                 given_up = c.key_value_dir_get(f"{self.namespace}/abandoned/")
                 if given_up:
                     k, why = given_up[0]
