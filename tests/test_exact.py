@@ -122,3 +122,20 @@ def test_the_bench_cli_lists_the_trainer_reductions():
     from jaxft import bench, trainer
 
     assert bench.REDUCTIONS == trainer.REDUCTIONS
+
+
+def test_the_chaos_bench_hands_its_reduction_to_the_mlp_runs():
+    # `jaxft bench chaos --reduction R` runs all three mlp runs with R (chunked ones in CHUNKS chunks)
+    import argparse
+
+    from jaxft import bench
+    from jaxft.bench.chaos import reduction_flags
+    from jaxft.bench.overhead import CHUNKS
+
+    assert reduction_flags("allreduce") == ["--reduction", "allreduce"]
+    for r in ("allreduce64", "exact"):
+        assert reduction_flags(r) == ["--reduction", r, "--exact_chunks", str(CHUNKS)]
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers(dest="cmd"))
+    assert parser.parse_args(["bench", "chaos", "--reduction", "allreduce64"]).reduction == "allreduce64"
+    assert parser.parse_args(["bench", "chaos"]).reduction == "allreduce"
