@@ -24,7 +24,7 @@ flags.DEFINE_integer("checkpoint_every", 0, "async Orbax checkpoint every K step
 flags.DEFINE_string("checkpoint_dir", None, "checkpoint directory (default: $JAXFT_RUN_DIR/checkpoints)")
 flags.DEFINE_integer("precompile", 0, "compile the step for the member sets one failure away in the "
                      "background while there are at most this many members (0: off; jaxft.warmup)")
-flags.DEFINE_enum("admission", "connect", ["connect", "ready"],
+flags.DEFINE_enum("admission", "ready", ["ready", "connect"],
                   "connect: a restarted process is a member from its first step (the others wait for its "
                   "set-up); ready: the others train on and admit it once it is ready (jaxft.admission)")
 FLAGS = flags.FLAGS

@@ -234,11 +234,13 @@ class ElasticLoop:
         self.events = events or (runtime.events if runtime is not None else EventLog(None, jax.process_index()))
         self.faults = faults or (runtime.faults if runtime is not None else FaultInjector([], jax.process_index()))
         self.group = group or ElasticGroup()
+        if self.group.admission is None:  # this loop carries the admission votes (see ElasticGroup)
+            self.group.admission = "ready"
         self.on_commit = on_commit
         self.step = step  # steps committed
         self.state = canonical(state)
         self.last_metrics: dict[str, float] = {}
-        self._compiled: dict[tuple[int, ...], Callable] = {}
+        self._compiled: dict[tuple, Callable] = {}  # by mesh ids (("votes", *ids): _agree_on_joiners)
         # The last step's replicated outputs, reused while the members and the state stay the same.
         self._global: tuple | None = None  # (device ids, ids of the local leaves, global state)
         self.executables = executables_lib.Executables(executables_lib.shared_dir(), reference=self._reference_program)
@@ -435,6 +437,22 @@ class ElasticLoop:
             self._votes = (key, _votes_array(votes, m.mesh, self.group.axis_name))
         return self._votes[1]
 
+    def _agree_on_joiners(self, m: Members) -> np.ndarray:
+        """With too few members to commit (``min_members``), the admission votes alone, summed
+        over the members by a program of their own: the joiners they wait for are admitted
+        as at a commit (with no step to carry the votes, they would wait for each other
+        until a timeout ended the run)."""
+        key = ("votes",) + executables_lib.mesh_ids(m.mesh)
+        fn = self._compiled.get(key)
+        if fn is None:
+            def agree(votes):
+                return agreed_votes(jnp.sum(votes.astype(jnp.float32), axis=0))
+
+            fn = self._compiled.setdefault(key, jax.jit(agree, out_shardings=NamedSharding(m.mesh, P())))
+        votes = self._votes_on(self._hold_if_left(self.group.votes(m), m), m)
+        out = self._runner.run(lambda: jax.block_until_ready(fn(votes)))
+        return np.asarray(out.addressable_data(0))
+
     def _replicated(self, state: PyTree, m: Members) -> PyTree:
         g = self._global
         leaves = jax.tree_util.tree_leaves(state)
@@ -506,12 +524,15 @@ class ElasticLoop:
         """One attempt at the next step; None if it failed (nothing was committed)."""
         step = self.step
         self._too_few = None
+        agreed = None
         self.faults.point("before-step", step)
         try:
             with self.group.step() as m:
                 self.faults.at_width(len(m.process_ids))
                 if len(m.process_ids) < self.min_members:  # every member sees the same m: all skip
                     self._too_few = m.process_ids
+                    if self.group.admission == "ready":  # the joiners they wait for can still enter
+                        agreed = self._agree_on_joiners(m)
                     raise _Skip
                 state, rehydrated = self.state, None
                 if m.gained:
@@ -520,7 +541,6 @@ class ElasticLoop:
                     step, state, rehydrated = self._sync_state(m)
                 fn = self._fn(m)
                 batch, mask = self._batch(step, m)
-                agreed = None
                 args = (self._replicated(state, m), batch, mask)
                 if self.group.admission == "ready":  # admission votes ride in the step's own program
                     votes = self._hold_if_left(self.group.votes(m), m)
@@ -561,6 +581,10 @@ class ElasticLoop:
             os._exit(EXIT_HUNG)
         except _Skip:
             self.events.log("step_waiting", step=step, members=list(self._too_few), min_members=self.min_members)
+            if agreed is not None:  # every member left this step alive: all admit the same joiners
+                admitted = self.group.admit(m, agreed)
+                if admitted:
+                    self.events.log("admit", step=step, joiners=list(admitted))
             return None
         if rehydrated is not None:
             self.events.log("join", step=rehydrated.from_step, process=self.group.process_id)

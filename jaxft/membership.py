@@ -89,15 +89,26 @@ class ElasticGroup:
                 ...  # all work of the step, ending in jax.block_until_ready
         except StepFailed as e:
             ...  # nothing was committed anywhere; retry on the survivors
+
+    ``admission`` says when a restarted (or late) process becomes a member. ``"ready"``: it
+    does all its set-up while the members keep committing steps at their width, and enters
+    at a step boundary they all agree on (:mod:`jaxft.admission`; the step must carry the
+    votes, which :class:`~jaxft.ElasticLoop` and :class:`~jaxft.ElasticTrainer` do).
+    ``"connect"``: it is a member as soon as ``jaxft.initialize()`` connects, and the members
+    wait for its set-up at their next step. ``None`` (default): ready under an
+    ``ElasticLoop``/``ElasticTrainer``, connect for a bare ``group.step()`` loop like the one
+    above (nothing there carries votes, so a ready joiner would never enter).
     """
 
     def __init__(self, axis_name: str = "data", barrier_timeout_s: float | None = None, poll_s: float = 0.5,
-                 timeouts: Timeouts | None = None, admission: str = "connect"):
-        if admission not in ("connect", "ready"):
-            raise ValueError(f"admission must be 'connect' or 'ready', got {admission!r}")
-        # connect: a process is a member from its first step (the members wait for it at their
-        # next step); ready: it stays out of the members' barrier until admitted (jaxft.admission;
-        # its caller must carry votes through each step, as ElasticTrainer does).
+                 timeouts: Timeouts | None = None, admission: str | None = None):
+        if admission not in (None, "connect", "ready"):
+            raise ValueError(f"admission must be 'connect', 'ready' or None, got {admission!r}")
+        # ready: a process stays out of the members' barrier until admitted (jaxft.admission;
+        # the step must carry the votes, as ElasticLoop and ElasticTrainer do); connect: it is
+        # a member from its first step, and the members wait for its set-up at their next step.
+        # None: ready under an ElasticLoop (it carries the votes), connect for a bare
+        # ``group.step()`` loop (nothing would carry them: a restarted process would never enter).
         self.admission = admission
         self._barrier_pids: list[int] | None = None  # process ids of the next step's barrier
         self._committed: dict[int, int] | None = None  # the last committed step's exit query answer
@@ -191,6 +202,8 @@ class ElasticGroup:
         """
         if self.life is None:  # before this life's first liveness query: every member map names a registered life
             self.life = lives.register()
+        if self.admission is None:  # a bare loop (an ElasticLoop would have chosen ready)
+            self.admission = "connect"
         if self.admission == "ready":
             with self._ready_step() as members:
                 yield members

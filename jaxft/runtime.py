@@ -92,7 +92,7 @@ def initialize(coordinator_address: str | None = None,
                run_dir: str | None = None,
                timeouts: Timeouts | None = None,
                gloo_interface: str | None = None,
-               wait_until_forgotten: bool = False,
+               wait_until_forgotten: bool = True,
                compilation_cache: str | bool | None = None,
                environ=os.environ) -> Runtime:
     """Initialize multi-controller JAX so that processes can fail and come back.
@@ -128,9 +128,12 @@ def initialize(coordinator_address: str | None = None,
     a single process with a private coordination service, so the same program works
     without ``jaxft launch``.
 
-    With ``wait_until_forgotten`` (for ``ElasticGroup(admission="ready")``), a restarted
-    process connects only once the service has declared its previous incarnation dead, so
-    the survivors never wait for its set-up (``jaxft launch`` says when it died).
+    With ``wait_until_forgotten`` (default; what ready admission, the default of
+    ``ElasticLoop`` and ``ElasticTrainer``, needs), a restarted process connects only once the
+    service has declared its previous incarnation dead, so the survivors never wait for its
+    set-up (``jaxft launch`` says when it died; without that, no wait). ``False`` connects at
+    once: for ``ElasticGroup(admission="connect")``, where the members wait for a restarted
+    process anyway.
 
     ``compilation_cache``: a directory for jax's persistent compilation cache shared by the
     run's processes (a joiner, a restarted process and survivors returning to a width they

@@ -230,6 +230,19 @@ def finals(evts: list[dict]) -> list[dict]:
     return by_event(evts, "final")
 
 
+def too_late_to_rejoin(evts: list[dict], process: int) -> bool:
+    """Whether ``process``'s last life came after the run: it committed nothing and exited 0
+    (with ready admission a process restarted near the end is still setting up when the others
+    finish; it then exits 0 instead of training alone)."""
+    lives = by_event(evts, "launch", process=process)
+    if not lives:
+        return False
+    last = max(e["incarnation"] for e in lives)
+    exits = by_event(evts, "exit", process=process, incarnation=last)
+    return (not by_event(evts, "commit", process=process, incarnation=last)
+            and bool(exits) and exits[-1].get("code") == 0)
+
+
 def commits_by_step(evts: list[dict]) -> dict[int, list[dict]]:
     out: dict[int, list[dict]] = {}
     for e in by_event(evts, "commit"):

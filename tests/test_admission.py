@@ -332,3 +332,38 @@ def test_a_life_that_committed_nothing_exits_0_after_a_failed_step_when_the_run_
     assert "still here: not finished" in fresh.stdout and "still here: finished" not in fresh.stdout, fresh.describe()
     committed = run_python(FINISHED_BEFORE_JOINING, str(free_port()), "committed", timeout=60)
     assert committed.returncode == 0 and "still here: finished" in committed.stdout, committed.describe()
+
+
+DEFAULT_ADMISSION = r'''
+import numpy as np, optax
+import jaxft
+from jaxft.bench import mlp
+
+rt = jaxft.initialize()
+data = jaxft.GlobalBatches(mlp.make_dataset(64), 8, seed=0)
+params = mlp.init_params(0, 4, 8)
+print("group", jaxft.ElasticGroup().admission)
+print("trainer", jaxft.ElasticTrainer(mlp.loss_fn, optax.sgd(0.1), params, data, runtime=rt).group.admission)
+explicit = jaxft.ElasticGroup(admission="connect")
+print("explicit", jaxft.ElasticTrainer(mlp.loss_fn, optax.sgd(0.1), params, data, runtime=rt, group=explicit
+                                       ).group.admission)
+bare = jaxft.ElasticGroup()
+with bare.step() as m:
+    pass
+print("bare", bare.admission, list(m.process_ids))
+try:
+    jaxft.ElasticGroup(admission="eager")
+except ValueError as e:
+    print("bad", e)
+'''
+
+
+def test_loops_default_to_ready_admission_and_a_bare_group_to_connect():
+    # A bare `with group.step()` loop carries no votes: with ready admission a restarted
+    # process would wait for an admission nobody can vote for.
+    r = run_python(DEFAULT_ADMISSION, timeout=120)
+    assert r.returncode == 0, r.describe()
+    rows = dict(line.split(" ", 1) for line in r.stdout.splitlines() if line.strip())
+    assert rows["group"] == "None" and rows["trainer"] == "ready" and rows["explicit"] == "connect", rows
+    assert rows["bare"] == "connect [0]", rows
+    assert rows["bad"] == "admission must be 'connect', 'ready' or None, got 'eager'", rows

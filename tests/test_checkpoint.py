@@ -181,9 +181,11 @@ def test_kill_during_save_never_leaves_a_partial_checkpoint(tmp_path, reference,
     run_dir = tmp_path / "run"
     ckpt_dir = tmp_path / "ckpt"
     # Checkpoint 10 (the state after 10 steps) is saved at the commit of step index 9;
-    # the during-save fault point fires with 10 once the async save has started.
+    # the during-save fault point fires with 10 once the async save has started. Connect
+    # admission: the restarted victim rejoins within the run (checked below; with ready
+    # admission the survivor trains on while it sets up and can finish first).
     proc, ev = launch(run_dir, "--steps", str(STEPS), "--checkpoint_every", str(EVERY), "--keep", "0",
-                      "--checkpoint_dir", str(ckpt_dir),
+                      "--checkpoint_dir", str(ckpt_dir), "--admission", "connect",
                       faults=[f"kill:process={victim}:step=10:phase=during-save"])
     assert proc.returncode == 0, _tail(proc)
     survivor = 1 - victim
@@ -540,7 +542,10 @@ def test_a_death_before_a_save_abandons_it_without_waiting_out_the_barrier(tmp_p
     # to watch, which stops, and the save is abandoned after Timeouts.save_dead_after.
     # Either way training goes on and ends agreed.
     run_dir = tmp_path / "run"
-    train = ["--steps", "20", "--checkpoint_every", str(EVERY), "--checkpoint_dir", str(tmp_path / "ckpt")]
+    # (connect admission: the restart rejoins within the 20 steps; with ready admission the
+    # others train on while it sets up and may finish first)
+    train = ["--steps", "20", "--checkpoint_every", str(EVERY), "--checkpoint_dir", str(tmp_path / "ckpt"),
+             "--admission", "connect"]
     kill = "kill:process=2:step=10:phase=before-save"
     if records:
         proc, ev = launch(run_dir, *train, n=3, faults=[kill])

@@ -62,7 +62,10 @@ def test_a_joiners_start_up_restore_and_a_run_that_ends_before_a_rejoin():
 
 
 def test_progress_console_is_short_and_the_logs_hold_the_rest(tmp_path):
-    r = launch(2, [PYTHON, MLP, "--steps", "16", "--checkpoint_every", "4"], "--restart", "on-failure",
+    # connect admission: the restart rejoins within the 16 steps (with ready admission the
+    # survivor may finish first, and the incident line says so)
+    r = launch(2, [PYTHON, MLP, "--steps", "16", "--checkpoint_every", "4", "--admission", "connect"],
+               "--restart", "on-failure",
                "--fault", "kill:process=1:step=6", "--progress-every", "1000", run_dir=tmp_path,
                console="progress", timeout=180)
     assert r.returncode == 0, r.describe()

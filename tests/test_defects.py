@@ -95,15 +95,21 @@ def test_a_second_run_in_the_same_job_is_not_cut_short(tmp_path):
     assert sorted((f["process"], f["step"]) for f in finals) == [(0, 4), (0, 8), (1, 4), (1, 8)], finals
 
 
-@pytest.mark.soak  # long: the default suite stays under its time budget
 def test_min_members_waits_instead_of_training_alone(tmp_path):
+    # Process 1 is away >= 3 s (then it waits out the heartbeat timeout before it connects):
+    # process 0 sees itself alone. With ready admission (ElasticTrainer's default) the joiner
+    # enters on the waiting member's votes: no step commits to carry them, and before, each
+    # waited for the other until Timeouts.barrier ended the run.
     r = launch(2, [PYTHON, "tests/workers/two_runs.py", "--min_members", "2", "--steps", "12"],
-               "--restart", "on-failure", "--restart-delay", "10", "--fault", "kill:process=1:step=4",
-               run_dir=tmp_path, timeout=180)  # process 1 is away >= 10 s: process 0 sees itself alone
+               "--restart", "on-failure", "--restart-delay", "3", "--heartbeat-timeout", "3",
+               "--fault", "kill:process=1:step=4", run_dir=tmp_path, timeout=180)
     assert r.returncode == 0, r.describe()
     ev = events(tmp_path)
     assert {tuple(e["members"]) for e in by_event(ev, "commit")} == {(0, 1)}, "a step committed with one member"
     assert by_event(ev, "step_waiting", process=0), "process 0 should have waited for process 1"
+    (admit,) = by_event(ev, "admit", process=0)
+    assert admit["joiners"] == [1] and admit["step"] == 4, admit  # admitted while waiting at step 4
+    assert by_event(ev, "rehydrated", process=1, incarnation=1)
     finals = by_event(ev, "final")
     assert len({f["params_sha256"] for f in finals}) == 1 and {f["step"] for f in finals} == {12}
 

@@ -100,7 +100,10 @@ def test_kill_and_narrower_run_end_bitwise_equal(tmp_path):
     rejoins), a fault-free run on 3 and one on 2 all end with the same params_sha256."""
     from helpers import MLP, by_event, finals, train
 
-    worker = (MLP, "--steps", "24", "--step_sleep", "0.3", "--reduction", "exact", "--exact_chunks", "8")
+    # connect admission: the restart rejoins within the run (ready admission's rejoin takes
+    # longer than these 16 steps after the kill; test_admission.py checks its bits)
+    worker = (MLP, "--steps", "24", "--step_sleep", "0.3", "--reduction", "exact", "--exact_chunks", "8",
+              "--admission", "connect")
     proc, ev = train(tmp_path / "kill", *worker, faults=["kill:process=1:step=8"], restart="on-failure",
                      extra=["--restart-delay", "3"])
     assert proc.returncode == 0, proc.describe()

@@ -20,10 +20,11 @@ def test_guide_survive_keeps_training_on_survivors(tmp_path):
 
 
 def test_guide_recover_and_report(tmp_path):
-    # The survivors' 17 steps after the kill take >= 5 s, past the ~2.6 s the restart needs to
-    # connect (then, with connect admission, they wait for it): without the sleep they once
-    # finished the run 20 ms before it connected, and it exited 0 without rejoining.
-    proc, ev = train(tmp_path, str(EXAMPLES / "guide_recover.py"), "--steps", "20", "--step_sleep", "0.3",
+    # The example uses ready admission (ElasticTrainer's default): the survivors train on while
+    # the restart waits out the heartbeat timeout (3 s + 1.5 s, see initialize's
+    # wait_until_forgotten), starts and compiles, ~6 s in all here; their 17 steps after the
+    # kill take >= 12 s, so it rejoins before the end (with 0.3 s it did not: 2 finals).
+    proc, ev = train(tmp_path, str(EXAMPLES / "guide_recover.py"), "--steps", "20", "--step_sleep", "0.7",
                      faults=["kill:process=0:step=2"], restart="on-failure")
     assert proc.returncode == 0, proc.describe()
     f = finals(ev)
@@ -41,8 +42,10 @@ def test_guide_recover_and_report(tmp_path):
 
 @pytest.mark.soak  # long: the default suite stays under its time budget
 def test_flax_digits_with_a_kill(tmp_path):
-    proc, ev = train(tmp_path, str(EXAMPLES / "flax_digits.py"), "--steps", "12", "--global_batch", "64",
-                     n=2, faults=["kill:process=1:step=5"], restart="on-failure")
+    # ready admission (the example's default): the 15 steps after the kill take >= 12 s, time
+    # for the restart to wait out the heartbeat timeout, set up and be admitted
+    proc, ev = train(tmp_path, str(EXAMPLES / "flax_digits.py"), "--steps", "20", "--global_batch", "64",
+                     "--step_sleep", "0.8", n=2, faults=["kill:process=1:step=5"], restart="on-failure")
     assert proc.returncode == 0, proc.describe()
     f = finals(ev)
     assert len(f) == 2 and len({e["params_sha256"] for e in f}) == 1
@@ -59,7 +62,7 @@ def _kill_vs_fault_free(tmp_path, example: str, steps: str = "30"):
     The sleep after each commit leaves the restarted process time to rejoin before the end."""
     single = run([PYTHON, str(EXAMPLES / example), "--steps", "6"], timeout=180)
     assert single.returncode == 0 and "done: step 6" in single.stdout, single.describe()
-    proc, ev = train(tmp_path / "kill", str(EXAMPLES / example), "--steps", steps, "--step_sleep", "0.4",
+    proc, ev = train(tmp_path / "kill", str(EXAMPLES / example), "--steps", steps, "--step_sleep", "0.6",
                      "--final_params", str(tmp_path / "kill" / "final"), faults=["kill:process=1:step=8"],
                      restart="on-failure")
     assert proc.returncode == 0, proc.describe()

@@ -163,6 +163,7 @@ from jaxft import executables
 from jaxft.bench import mlp
 from jaxft.loop import _votes_array
 
+PRINT = threading.Lock()  # two threads print: one line each, never interleaved
 data = jaxft.GlobalBatches(mlp.make_dataset(512), 96, seed=0)
 params = jax.tree_util.tree_map(np.asarray, mlp.init_params(0, 16, 32))
 loop = jaxft.ElasticTrainer(mlp.loss_fn, optax.adam(1e-2), params, data,
@@ -176,7 +177,8 @@ def step(mode, ids):
     out = loop._call(mesh, loop._fn_for(mesh), args)
     devices = sorted({s.device.id for x in jax.tree_util.tree_leaves(out[0]) for s in x.addressable_shards})
     digest = hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(out[0]))).hexdigest()
-    print(mode, ids, "on", devices, digest[:16])
+    with PRINT:
+        print(mode, ids, "on", devices, digest[:16], flush=True)
 
 for mode in ("reassign", "compile"):
     store = loop.executables = executables.Executables(None)

@@ -46,8 +46,8 @@ def _env(**extra: str) -> dict[str, str]:
 class Job:
     """The coordinator in the root namespace and one agent per host, as in examples/cluster/slurm.sbatch."""
 
-    def __init__(self, h: Hosts, run_dir: Path):
-        self.h, self.run_dir = h, run_dir
+    def __init__(self, h: Hosts, run_dir: Path, worker_args: tuple[str, ...] = ()):
+        self.h, self.run_dir, self.worker_args = h, run_dir, worker_args
         self.port = free_port()
         self.address = f"{h.gateway}:{self.port}"
         self.coordinator: subprocess.Popen | None = None
@@ -70,7 +70,7 @@ class Job:
                    JAXFT_AGENT_ARGS=f"-n {PER_NODE} --gpus none --gloo-interface eth0 "
                                     f"--heartbeat-timeout {HEARTBEAT} --max-restarts 20")
         args = self.h.command(node, ["bash", "examples/cluster/slurm_agent.sh", self.address, self.run_dir,
-                                     *WORKER, "--final_params", self.run_dir / "final"])
+                                     *WORKER, *self.worker_args, "--final_params", self.run_dir / "final"])
         self.agents[node].append(self._popen(args, env, f"agent{node}.{len(self.agents[node])}"))
 
     def events(self) -> list[dict]:
@@ -113,9 +113,9 @@ class Job:
 
 
 @contextlib.contextmanager
-def job(tmp_path: Path):
+def job(tmp_path: Path, *worker_args: str):
     with hosts(NODES) as h:
-        j = Job(h, tmp_path)
+        j = Job(h, tmp_path, worker_args)
         try:
             j.start_coordinator()
             yield j
@@ -239,8 +239,10 @@ def test_host_killed_whole_and_restarted(reference, tmp_path):
 
 @pytest.mark.soak  # long: the default suite stays under its time budget
 def test_host_partitioned_then_healed(reference, tmp_path):
-    """(c) Host 2 cut off for 5x the heartbeat timeout, then healed."""
-    with job(tmp_path) as j:
+    """(c) Host 2 cut off for 5x the heartbeat timeout, then healed. Connect admission: the
+    healed host's restarts are back within the run (with ready admission the others train on
+    while they set up, and the 60 steps can end first)."""
+    with job(tmp_path, "--admission", "connect") as j:
         for node in range(NODES):
             j.start_agent(node)
         wait_for(lambda: j.commits_at_least(10), 180, interval=0.2, what="step 10")

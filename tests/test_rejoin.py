@@ -6,6 +6,11 @@ from helpers import MLP, by_event as of, commits_by_step, finals, train
 
 STEPS = 40
 EXACT = ("--reduction", "exact", "--exact_chunks", "8")  # results independent of the width, to the bit
+# These scenarios kill joiners as they join and restart processes every few steps of a
+# 40-step run: timed for connect admission, where a restart is a member as soon as it
+# connects. Ready admission (the default) lets the others train on while it sets up, and a
+# short run can end first; its rejoins are tested in test_admission.py.
+CONNECT = ("--admission", "connect")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +45,7 @@ def check_run(events, reference, restarts, n=3, why=""):
 @pytest.mark.soak  # time budget: process 0's restart and rejoin is in test_survival.py, many restarts in the soak
 def test_three_restarts_including_process_0(reference, tmp_path):
     faults = ["kill:process=0:step=5", "kill:process=1:step=12", "kill:process=0:step=20"]
-    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), *EXACT, faults=faults, restart="on-failure")
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), *EXACT, *CONNECT, faults=faults, restart="on-failure")
     assert proc.returncode == 0, proc.describe()
     check_run(events, reference, restarts=3)
     assert {(r["process"], r["incarnation"]) for r in of(events, "rehydrated")} == {(0, 1), (1, 1), (0, 2)}
@@ -57,7 +62,8 @@ def test_two_join_at_once_and_one_dies_as_they_join(reference, tmp_path):
     faults = ["kill:process=1:step=5", "kill:process=2:step=5",  # two joiners at once
               "kill:process=3:step=6:phase=before-step",  # dies in the step right after they join
               "kill:process=0:step=12:phase=after-commit"]
-    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), *EXACT, n=4, faults=faults, restart="on-failure")
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), *EXACT, *CONNECT, n=4, faults=faults,
+                         restart="on-failure")
     assert proc.returncode == 0, proc.describe()
     check_run(events, reference, restarts=4, n=4, why=proc.describe())
     # both joiners were rehydrated (at step 5 when they connect together; a slow restart joins later)
@@ -71,7 +77,7 @@ def test_slow_restart_rejoins_behind(reference, tmp_path):
     # ~3-5 s and then commit a step per ~0.6 s), and the 34 remaining steps take >= 20 s,
     # so process 2 comes back behind the survivors and before they finish.
     faults = ["kill:process=2:step=6:phase=before-step"]
-    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), *EXACT, "--step_sleep", "0.6", faults=faults,
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), *EXACT, *CONNECT, "--step_sleep", "0.6", faults=faults,
                           restart="on-failure", extra=["--restart-delay", "12"])
     assert proc.returncode == 0, proc.describe()
     check_run(events, reference, restarts=1)
@@ -83,7 +89,7 @@ def test_slow_restart_rejoins_behind(reference, tmp_path):
 @pytest.mark.soak
 def test_ten_kill_restart_cycles(reference, tmp_path):
     faults = [f"kill:process=2:step={s}" for s in range(3, 33, 3)]
-    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), *EXACT, faults=faults, restart="on-failure",
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), *EXACT, *CONNECT, faults=faults, restart="on-failure",
                           extra=["--max-restarts", "20"], timeout=600)
     assert proc.returncode == 0, proc.describe()
     check_run(events, reference, restarts=10)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import MLP, PYTHON, by_event, events, launch
+from helpers import MLP, PYTHON, by_event, events, launch, too_late_to_rejoin
 
 pytestmark = pytest.mark.soak
 
@@ -63,8 +63,8 @@ def schedule(seed: int, count: int = 25) -> list[str]:
     return specs
 
 
-def _params(run_dir: Path) -> dict[int, dict]:
-    return {p: dict(np.load(run_dir / "final" / f"final-p{p}.npz")) for p in range(N)}
+def _params(run_dir: Path, processes=range(N)) -> dict[int, dict]:
+    return {p: dict(np.load(run_dir / "final" / f"final-p{p}.npz")) for p in processes}
 
 
 @pytest.fixture(scope="module")
@@ -89,22 +89,31 @@ def test_soak(seed, reference, tmp_path, marker):
     finals = {}
     for e in by_event(ev, "final"):
         finals[e["process"]] = e
-    assert sorted(finals) == list(range(N)), f"seed {seed}: {sorted(finals)}"
+    # every process finished, or its last life was restarted too late to rejoin (ready admission)
+    late = [p for p in range(N) if p not in finals and too_late_to_rejoin(ev, p)]
+    assert sorted([*finals, *late]) == list(range(N)) and finals, f"seed {seed}: {sorted(finals)}, late {late}"
     assert len({f["params_sha256"] for f in finals.values()}) == 1, f"seed {seed}"
-    # A cold restart (after the kill-all) commits the steps after its checkpoint again: those
-    # are a new epoch. Within an epoch every step's commits list one member set. (A commit of
-    # step s+1 is logged only after every member of step s logged its commit of s, so a step
-    # going backwards in the log marks a restore.)
-    members, epoch, top = collections.defaultdict(set), 0, -1
+    # A cold restart (after the kill-all, or when the last member dies while the others still
+    # set up) commits the steps after its checkpoint again: those are a new epoch. Within an
+    # epoch every step's commits list one member set. A cold start's commits are the first
+    # commits of lives that restored that step and were not rehydrated; the first of them
+    # opens the epoch. (A step going backwards in the log missed one: the lone member had
+    # committed step 80, the kill-all followed, and the cold start committed 80 again.)
+    restored = {(e["process"], e["incarnation"]): e["step"] for e in by_event(ev, "restored")}
+    rehydrated = {(e["process"], e["incarnation"]) for e in by_event(ev, "rehydrated")}
+    members, epoch, seen, opened = collections.defaultdict(set), 0, set(), (None, set())
     for e in by_event(ev, "commit"):
-        if e["step"] < top:
-            epoch, top = epoch + 1, -1
-        top = max(top, e["step"])
+        life = (e["process"], e["incarnation"])
+        if life not in seen and restored.get(life) == e["step"] and life not in rehydrated:
+            if opened[0] != e["step"] or e["process"] in opened[1]:
+                epoch, opened = epoch + 1, (e["step"], set())
+            opened[1].add(e["process"])
+        seen.add(life)
         members[(epoch, e["step"])].add(tuple(e["members"]))
     assert sorted({s for _, s in members}) == list(range(STEPS)), f"seed {seed}"
     assert all(len(m) == 1 for m in members.values()), f"seed {seed}: {[(k, m) for k, m in members.items() if len(m) > 1]}"
     worst = 0.0
-    for p, leaves in _params(tmp_path).items():
+    for p, leaves in _params(tmp_path, sorted(finals)).items():
         for name, value in leaves.items():
             ref = reference[name]
             worst = max(worst, float(np.max(np.abs(value.astype(np.float64) - ref)) / max(np.max(np.abs(ref)), 1e-30)))

@@ -29,7 +29,7 @@ def add_parser(sub) -> None:
     o.add_argument("--steps", type=int, default=100)
     o.add_argument("--hidden", type=int, default=512)
     o.add_argument("--global-batch", type=int, default=512)
-    o.add_argument("--admission", choices=("connect", "ready"), default="connect",
+    o.add_argument("--admission", choices=("ready", "connect"), default="ready",
                    help="the elastic step's admission mode (jaxft.ElasticGroup)")
     o.add_argument("--reduction", choices=REDUCTIONS, default="allreduce",
                    help="the elastic step's reduction (jaxft.ElasticTrainer; the chunked ones in 8 chunks); the "

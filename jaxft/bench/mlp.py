@@ -32,9 +32,9 @@ flags.DEFINE_float("step_sleep", 0.0, "seconds to sleep after each commit (to st
 flags.DEFINE_integer("checkpoint_every", 0, "async Orbax checkpoint every K committed steps (0: off); "
                      "on start, restore the latest complete checkpoint if there is one")
 flags.DEFINE_string("checkpoint_dir", None, "checkpoint directory (default: $JAXFT_RUN_DIR/checkpoints)")
-flags.DEFINE_enum("admission", "connect", ["connect", "ready"],
-                  "connect: a restarted process is a member from its first step; ready: it enters "
-                  "when admitted (experimental, jaxft.admission)")
+flags.DEFINE_enum("admission", "ready", ["ready", "connect"],
+                  "ready: the others train on while a restarted process sets up, and admit it once it is "
+                  "ready (jaxft.admission); connect: it is a member from its first step (the others wait)")
 flags.DEFINE_integer("keep", 3, "complete checkpoints to keep (max_to_keep; 0: keep all)")
 flags.DEFINE_integer("precompile", 0, "compile the step for each member set one failure away in the "
                      "background while there are at most this many members (0: off; see jaxft.warmup)")

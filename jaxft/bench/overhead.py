@@ -13,7 +13,7 @@ from jaxft.bench._jobs import launch, result
 CHUNKS = 8  # the chunked reductions' chunk count in this bench
 
 
-def worker(steps: int, hidden: int, batch: int, admission: str = "connect", reduction: str = "allreduce") -> None:
+def worker(steps: int, hidden: int, batch: int, admission: str = "ready", reduction: str = "allreduce") -> None:
     import jaxft
 
     rt = jaxft.initialize()
@@ -77,7 +77,7 @@ def worker(steps: int, hidden: int, batch: int, admission: str = "connect", redu
 
 
 def bench_overhead(n: int = 2, steps: int = 100, hidden: int = 512, batch: int = 512,
-                   admission: str = "connect", reduction: str = "allreduce") -> dict:
+                   admission: str = "ready", reduction: str = "allreduce") -> dict:
     """``reduction`` other than the all-reduce cuts the batch in :data:`CHUNKS` chunks."""
     if reduction != "allreduce" and batch % CHUNKS:
         raise ValueError(f"--reduction {reduction} cuts the global batch in {CHUNKS} chunks: {batch} is not a "
