@@ -95,20 +95,16 @@ def test_soak(seed, reference, tmp_path, marker):
     assert len({f["params_sha256"] for f in finals.values()}) == 1, f"seed {seed}"
     # A cold restart (after the kill-all, or when the last member dies while the others still
     # set up) commits the steps after its checkpoint again: those are a new epoch. Within an
-    # epoch every step's commits list one member set. A cold start's commits are the first
-    # commits of lives that restored that step and were not rehydrated; the first of them
-    # opens the epoch. (A step going backwards in the log missed one: the lone member had
-    # committed step 80, the kill-all followed, and the cold start committed 80 again.)
-    restored = {(e["process"], e["incarnation"]): e["step"] for e in by_event(ev, "restored")}
-    rehydrated = {(e["process"], e["incarnation"]) for e in by_event(ev, "rehydrated")}
-    members, epoch, seen, opened = collections.defaultdict(set), 0, set(), (None, set())
+    # epoch every step's commits list one member set. A cold start's members begin again at
+    # generation 1, and a commit of step s+1 is logged only after every member of step s
+    # logged its commit of s: a new epoch starts at a commit whose generation is below the
+    # epoch's or whose step goes backwards. (The step alone missed a cold start that
+    # re-committed the step the lone member had just committed, then died with it.)
+    members, epoch, top, generation = collections.defaultdict(set), 0, -1, 0
     for e in by_event(ev, "commit"):
-        life = (e["process"], e["incarnation"])
-        if life not in seen and restored.get(life) == e["step"] and life not in rehydrated:
-            if opened[0] != e["step"] or e["process"] in opened[1]:
-                epoch, opened = epoch + 1, (e["step"], set())
-            opened[1].add(e["process"])
-        seen.add(life)
+        if e["step"] < top or e["generation"] < generation:
+            epoch, top, generation = epoch + 1, -1, 0
+        top, generation = max(top, e["step"]), max(generation, e["generation"])
         members[(epoch, e["step"])].add(tuple(e["members"]))
     assert sorted({s for _, s in members}) == list(range(STEPS)), f"seed {seed}"
     assert all(len(m) == 1 for m in members.values()), f"seed {seed}: {[(k, m) for k, m in members.items() if len(m) > 1]}"
