@@ -76,9 +76,15 @@ def _with_votes(fn: Callable, mesh: Mesh) -> Callable:
     buffer itself (``step_takes_votes``); this wrapper remains for steps brought along."""
     def step(state, batch, mask, votes):
         new_state, metrics = fn(state, batch, mask)
-        return new_state, metrics, agreed_votes(jnp.sum(votes.astype(jnp.float32), axis=0))
+        return new_state, metrics, _agree(votes)
 
     return jax.jit(step, out_shardings=NamedSharding(mesh, P()))
+
+
+def _agree(votes: jax.Array) -> jax.Array:
+    """``agreed [P]`` from the members' votes ``[D, P]``: summed over the devices in float32 (see
+    :func:`_with_votes`), then :func:`agreed_votes`."""
+    return agreed_votes(jnp.sum(votes.astype(jnp.float32), axis=0))
 
 
 def agreed_votes(total: jax.Array) -> jax.Array:
@@ -428,6 +434,17 @@ class ElasticLoop:
         self._warmer.pause()
         self._warmed_for = None
 
+    def _votes_input(self, m: Members) -> jax.Array:
+        """This member's admission votes (held while a program it left still runs) as the
+        ``[D, P]`` input of the program that sums them."""
+        return self._votes_on(self._hold_if_left(self.group.votes(m), m), m)
+
+    def _admit(self, m: Members, agreed: np.ndarray, step: int) -> None:
+        """Admit the joiners the members agreed on; they enter at ``step`` (``admit`` event)."""
+        admitted = self.group.admit(m, agreed)
+        if admitted:
+            self.events.log("admit", step=step, joiners=list(admitted))
+
     def _votes_on(self, votes: np.ndarray, m: Members) -> jax.Array:
         """``votes`` as the step's ``[D, P]`` input, the last step's array while the votes and
         the devices stay the same (nearly every step: nobody waits to join), not a new one
@@ -445,11 +462,8 @@ class ElasticLoop:
         key = ("votes",) + executables_lib.mesh_ids(m.mesh)
         fn = self._compiled.get(key)
         if fn is None:
-            def agree(votes):
-                return agreed_votes(jnp.sum(votes.astype(jnp.float32), axis=0))
-
-            fn = self._compiled.setdefault(key, jax.jit(agree, out_shardings=NamedSharding(m.mesh, P())))
-        votes = self._votes_on(self._hold_if_left(self.group.votes(m), m), m)
+            fn = self._compiled.setdefault(key, jax.jit(_agree, out_shardings=NamedSharding(m.mesh, P())))
+        votes = self._votes_input(m)
         out = self._runner.run(lambda: jax.block_until_ready(fn(votes)))
         return np.asarray(out.addressable_data(0))
 
@@ -543,8 +557,7 @@ class ElasticLoop:
                 batch, mask = self._batch(step, m)
                 args = (self._replicated(state, m), batch, mask)
                 if self.group.admission == "ready":  # admission votes ride in the step's own program
-                    votes = self._hold_if_left(self.group.votes(m), m)
-                    args += (self._votes_on(votes, m),)
+                    args += (self._votes_input(m),)
 
                 def program(step=step, fn=fn, args=args, mesh=m.mesh):
                     self.faults.point("in-step", step)
@@ -582,9 +595,7 @@ class ElasticLoop:
         except _Skip:
             self.events.log("step_waiting", step=step, members=list(self._too_few), min_members=self.min_members)
             if agreed is not None:  # every member left this step alive: all admit the same joiners
-                admitted = self.group.admit(m, agreed)
-                if admitted:
-                    self.events.log("admit", step=step, joiners=list(admitted))
+                self._admit(m, agreed, step)
             return None
         if rehydrated is not None:
             self.events.log("join", step=rehydrated.from_step, process=self.group.process_id)
@@ -601,9 +612,7 @@ class ElasticLoop:
                             programs_loaded=self.executables.loads, programs_compiled=self.executables.compiles)
         target = self.group.target
         if agreed is not None and (target is None or step + 1 < target):  # no admission after the last step
-            admitted = self.group.admit(m, agreed)
-            if admitted:
-                self.events.log("admit", step=step + 1, joiners=list(admitted))
+            self._admit(m, agreed, step + 1)
         self._warm_up(m)
         if self.on_commit is not None:
             self.on_commit(self, record)

@@ -279,6 +279,15 @@ def test_cpu_cache_entries_serve_every_process(tmp_path):
     assert first[1]["step_hits"] == 0, runs
     assert second[0]["step_hits"] == 1 and second[1]["step_hits"] == 1, moved(
         f"a CPU executable cached by process 0 is not loaded by process 1 ({runs})")
+    # jax writes entries from process 0 only; a program on process 1's own device has a key
+    # of its own: without jaxft._compat.cache_local_executables process 1 compiles it in every life
+    _get("jax._src.compiler:compile_or_get_cached")
+    _get("jax._src.compiler:_cache_write")
+    _get("jax._src.compilation_cache:put_executable_and_time")
+    assert first[0]["own_value"] == second[1]["own_value"] == second[0]["own_value"], runs
+    assert first[0]["own_hits"] == first[1]["own_hits"] == 0, runs
+    assert second[0]["own_hits"] == 1 and second[1]["own_hits"] == 1, moved(
+        f"process 1 does not load the program on its own device that it cached the run before ({runs})")
 
 
 SERIALIZED = r'''

@@ -1,9 +1,10 @@
 """Test worker: a multi-process CPU executable compiled (and cached) by process 0 in one run
-is loaded from the persistent cache by every process of the next run.
+is loaded from the persistent cache by every process of the next run, and so is a program
+on each process's own device (cached by that process).
 
 Run twice by tests/test_private_api.py under ``jaxft launch -n 2`` with the same cache
 directory (argv[1]); each process logs a ``cache`` event with how many persistent-cache
-hits jax reported (``jax.monitoring``) and the result of the computation.
+hits jax reported (``jax.monitoring``) for each and the results of the computations.
 """
 
 import sys
@@ -29,4 +30,7 @@ x = jax.make_array_from_single_device_arrays((4 * len(devices),), NamedSharding(
 step = jax.jit(lambda v: jnp.sum(jnp.tanh(v) * 3.0 + v), out_shardings=NamedSharding(mesh, P()))
 before = len(hits)
 out = float(np.asarray(step(x).addressable_data(0)))
-rt.events.log("cache", step_hits=len(hits) - before, value=out)
+step_hits = len(hits) - before
+mine = jax.device_put(np.arange(6.0, dtype=np.float32), local[0])  # a program on this process's device only
+own = float(jax.jit(lambda v: jnp.sum(jnp.cos(v) * 5.0 - v))(mine))
+rt.events.log("cache", step_hits=step_hits, value=out, own_hits=len(hits) - before - step_hits, own_value=own)
