@@ -33,10 +33,6 @@ from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 from jaxft import dirwatch, envvars
 
 SUBDIR = "deaths"
-# A life first seen (admitted) at time t is taken to have been alive since t - LIFE_MARGIN_S:
-# a death record older than that is an earlier life's. A restart therefore connects no sooner
-# than LIFE_MARGIN_S (plus slack) after its previous life died (jaxft.runtime).
-LIFE_MARGIN_S = 1.0
 _ASKED = "asked"  # key of the set last asked in an answer of DeathWatch._ask_once
 
 

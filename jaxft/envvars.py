@@ -13,7 +13,6 @@ HEARTBEAT_TIMEOUT = "JAXFT_HEARTBEAT_TIMEOUT"  # seconds
 COLLECTIVE_TIMEOUT = "JAXFT_COLLECTIVE_TIMEOUT"  # seconds, CPU collectives
 INCARNATION = "JAXFT_INCARNATION"  # 0 for the first start, +1 per restart
 DIED_AT = "JAXFT_PREVIOUS_DIED_AT"  # wall-clock time the launcher saw the previous incarnation exit
-DEATHS_SHARED = "JAXFT_DEATHS_SEEN_BY_ALL"  # "1": every member reads this launcher's death records (one node)
 RUN_DIR = "JAXFT_RUN_DIR"
 FAULTS = "JAXFT_FAULTS"  # ";"-separated fault specs (see jaxft.faults)
 FAULT_STATE_DIR = "JAXFT_FAULT_STATE_DIR"  # where "rule fired" markers live

@@ -98,10 +98,6 @@ class Launcher:
         self.timeouts.export(env)
         if worker.died_at is not None:
             env[envvars.DIED_AT] = f"{worker.died_at:.3f}"
-        if c.nnodes == 1:  # every member is local: each one reads the death records this launcher writes
-            env[envvars.DEATHS_SHARED] = "1"
-        else:
-            env.pop(envvars.DEATHS_SHARED, None)
         if c.run_dir:
             env[envvars.RUN_DIR] = os.path.abspath(c.run_dir)
         if c.gpus is not None:

@@ -383,9 +383,9 @@ class ElasticGroup:
             if first:
                 pids, alive_at, cold = self._join()
                 priority.restore()  # a restart set up niced (see jaxft.priority): it joins now
-                # lives that died before alive_at - LIFE_MARGIN_S are earlier lives (a restart connects
-                # no sooner after a death, jaxft.runtime): a record counts only against a later one
-                self._deaths.assume_alive_since(pids, alive_at - deaths_lib.LIFE_MARGIN_S)
+                # lives that died before alive_at - 1 s are earlier lives (a restart connects only
+                # heartbeat + 1.5 s after a death): a record counts only against a later one
+                self._deaths.assume_alive_since(pids, alive_at - 1.0)
                 if cold:
                     # a cold start, as far as this process could tell: if the others started
                     # without it meanwhile (it came up late, or is the restart of one that
@@ -474,9 +474,9 @@ class ElasticGroup:
         if joiners:
             self._admitting = set(joiners)
             if self._deaths is not None:
-                # a joiner is a new life (it connected > LIFE_MARGIN_S after any earlier death of
-                # its process id, jaxft.runtime): earlier death records must not count against it
-                self._deaths.assume_alive_since(joiners, time.time() - deaths_lib.LIFE_MARGIN_S)
+                # a joiner is a new life (it connected >= heartbeat + 1.5 s after any earlier
+                # death of its process id): earlier death records must not count against it
+                self._deaths.assume_alive_since(joiners, time.time() - 1.0)
             assert self._watcher is not None
             self._watcher.admit(joiners, sorted(set(members.process_ids) | set(joiners)))
         return joiners

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from jaxft import _compat, breaker, cluster, deaths, envvars, stopping
+from jaxft import _compat, breaker, cluster, envvars, stopping
 from jaxft import timeouts as timeouts_lib
 from jaxft.coordinator import wait_reachable
 from jaxft.errors import EXIT_CONFIG_ERROR, ConfigError, InitializeError, TimeoutsError
@@ -129,11 +129,9 @@ def initialize(coordinator_address: str | None = None,
     without ``jaxft launch``.
 
     With ``wait_until_forgotten`` (default; what ready admission, the default of
-    ``ElasticLoop`` and ``ElasticTrainer``, needs), a restarted process connects only once no
-    member can still count its previous incarnation, so the survivors never wait for its
-    set-up: ~1.5 s after the death on one node (every member reads the launcher's death
-    records), heartbeat + 1.5 s on several (the service must have declared it dead; ``jaxft
-    launch`` says when it died; without that, no wait). ``False`` connects at
+    ``ElasticLoop`` and ``ElasticTrainer``, needs), a restarted process connects only once the
+    service has declared its previous incarnation dead, so the survivors never wait for its
+    set-up (``jaxft launch`` says when it died; without that, no wait). ``False`` connects at
     once: for ``ElasticGroup(admission="connect")``, where the members wait for a restarted
     process anyway.
 
@@ -218,10 +216,8 @@ def initialize(coordinator_address: str | None = None,
         _wait_reachable(coordinator_address, initialization_timeout, process_id)
     if gloo_interface is not None or gloo_hostname is not None:
         _compat.use_gloo_address(interface=gloo_interface, hostname=gloo_hostname)
-    waited = None
     if wait_until_forgotten:
-        waited = _wait_until_forgotten(environ.get(envvars.DIED_AT), heartbeat_timeout, process_id,
-                                       records_shared=environ.get(envvars.DEATHS_SHARED) == "1")
+        _wait_until_forgotten(environ.get(envvars.DIED_AT), heartbeat_timeout, process_id)
     guard = _compat.no_service_start() if external_coordinator else contextlib.nullcontext()
     try:
         with guard:
@@ -239,8 +235,7 @@ def initialize(coordinator_address: str | None = None,
     elif num_processes > 1:
         atexit.register(_announce_leaving, process_id)
     events = EventLog(run_dir, process_id, incarnation)
-    events.log("initialized", source=place.source,
-               **({"forget_wait_s": round(waited, 3)} if waited is not None else {}))
+    events.log("initialized", source=place.source)
     faults = FaultInjector.from_env(process_id, on_fire=_fault_logger(events), environ=environ)
     timeouts_lib.set_current(timeouts)
     _install_stop_handlers()
@@ -365,41 +360,24 @@ def _configure_compilation_cache(setting: str | bool | None, run_dir: str | None
     _compat.cache_local_executables()  # else only process 0 ever finds one of its own programs
 
 
-def _forget_wait_s(died_at: float, heartbeat_timeout: float, records_shared: bool, now: float) -> float:
-    """How long a restarted process waits before it connects (see :func:`_wait_until_forgotten`)."""
-    after = deaths.LIFE_MARGIN_S + 0.5 if records_shared else heartbeat_timeout + 1.5
-    return max(0.0, min(died_at + after - now, after))
+def _wait_until_forgotten(died_at: str | None, heartbeat_timeout: float, process_id: int) -> None:
+    """A restarted process connects only once the service has declared its previous life dead.
 
-
-def _wait_until_forgotten(died_at: str | None, heartbeat_timeout: float, process_id: int,
-                          records_shared: bool = False) -> float | None:
-    """A restarted process connects only once no member can still count its previous life.
-
-    A new incarnation that registers while a member still counts the dead one replaces it in
-    that member's pending liveness query, so the query (and with it every member) waits for
-    the new life, through all of its set-up, instead of going on without it. Where every
-    member reads the launcher's death records (``records_shared``: one node), each one leaves
-    the dead life out the moment the launcher records the death, before it even starts the
-    restart; the restart then only keeps :data:`jaxft.deaths.LIFE_MARGIN_S` (+0.5 s) from the
-    death, by which a member tells an earlier life's record from the new life's (measured:
-    kill to the restart's rehydration 2.7-3.3 s instead of 6.8-7.1 s at heartbeat 3 s, most of
-    it Python and jax start-up, which this wait overlaps). On several nodes, members elsewhere
-    learn of the death only from the service, which notices it within the heartbeat timeout
-    and checks once a second: there the restart waits for that. ``jaxft launch`` hands down
-    when the previous life ended (without that, no wait). Returns the seconds waited (None:
-    not a restart).
+    A new incarnation that registers earlier replaces the dead one while the survivors still
+    count it, so their ``live_devices`` barrier waits for it (through all of its set-up)
+    instead of going on without it. The service notices a death within the heartbeat
+    timeout and checks once a second; ``jaxft launch`` hands down when the previous life ended.
     """
     if not died_at:
-        return None
+        return
     try:
-        wait = _forget_wait_s(float(died_at), heartbeat_timeout, records_shared, time.time())
+        wait = float(died_at) + heartbeat_timeout + 1.5 - time.time()
     except ValueError:
-        return None
+        return
     if wait > 0:
-        logger.info("process %d: waiting %.1f s for %s to forget its previous incarnation", process_id, wait,
-                    "the members" if records_shared else "the service")
-        time.sleep(wait)
-    return wait
+        logger.info("process %d: waiting %.1f s for the service to forget its previous incarnation",
+                    process_id, wait)
+        time.sleep(min(wait, heartbeat_timeout + 1.5))
 
 
 def _wait_reachable(address: str, timeout: float, process_id: int) -> None:

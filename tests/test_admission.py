@@ -4,8 +4,6 @@ at a step every member agreed on, and the run computes what the fault-free run c
 import numpy as np
 import pytest
 
-from jaxft.deaths import LIFE_MARGIN_S
-
 from helpers import MLP, by_event as of, commits_by_step, finals, free_port, run_python, train
 
 STEPS = 120
@@ -158,13 +156,6 @@ def test_a_kill_during_the_first_step_then_rejoin(reference, tmp_path):
     [rehydrated] = of(events, "rehydrated")
     assert rehydrated["process"] == 1 and rehydrated["step"] == entered > 0
     assert_bitwise(load(out / "final-p1.npz"), reference)  # 2 devices, then 3: the 1-device bits
-    # Every member is on this node and reads the launcher's death records: the restart
-    # connected LIFE_MARGIN_S + 0.5 s after its previous life died, not heartbeat + 1.5 s.
-    died = min((e for e in of(events, "exit") if e["process"] == 1 and e.get("source") == "launcher"),
-               key=lambda e: e["time"])  # the killed life's (the last life's exit 0 comes at the end)
-    [connected] = [e for e in of(events, "initialized") if e["process"] == 1 and "forget_wait_s" in e]
-    assert 0 <= connected["forget_wait_s"] <= LIFE_MARGIN_S + 0.5, connected
-    assert connected["time"] - died["time"] >= LIFE_MARGIN_S, (died, connected)
     # This worker keeps its initial params as jax arrays: the admission's rebuild could not
     # free the first backend, and every process that rebuilt says so.
     leaked = of(events, "backend_leaked")
