@@ -3,7 +3,7 @@
 On CPU every rejoin rebuilds the backend (see :mod:`jaxft.membership`), and a rebuild
 empties jax's in-memory caches: each member then traced and lowered its step again before
 the persistent cache could serve the executable, 0.3-0.4 s of the admission step's ~1.1 s
-with four processes on two cores (measured, see README). Survivors retrying on a smaller
+with four processes on two cores (measured, see docs/design.md). Survivors retrying on a smaller
 mesh paid the same to reach an executable process 0 had compiled ahead (:mod:`jaxft.warmup`).
 
 :class:`Executables` compiles each step program ahead of time (``lower(...).compile()``,
@@ -27,7 +27,7 @@ seconds). A thread that needs a program while another thread of this process com
 of the same width and signature waits for that compile instead of compiling beside it: the
 warm-up compiles one program per width, and a retry that needs a width the warm-up is
 compiling takes its program (measured: the first kill's retry compiled its width-3 program
-in 5.3 s while the warm-up compiled another width-3 set beside it, see README).
+in 5.3 s while the warm-up compiled another width-3 set beside it, see docs/design.md).
 
 Loading is an optimisation only: any failure to serialize, write, read or load is logged
 and the program is compiled as before. Programs are loaded only from the run's own

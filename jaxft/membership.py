@@ -572,7 +572,7 @@ class ElasticGroup:
         # after it, right before the new backend's gloo
         # rendezvous (jaxft.rendezvous: compiled before the barrier, run right after it). A
         # member that dies between the second barrier and publishing its rendezvous key is
-        # waited for 30 s (gloo's own bound; see README): that window is now microseconds
+        # waited for 30 s (gloo's own bound; see docs/design.md): that window is now microseconds
         # instead of everything the step did before its first collective.
         cancel = threading.Event()
         barrier = kv.KVBarrier(namespace, members, self.process_id, cancel, timeouts=self.timeouts, what="reset",

@@ -12,7 +12,7 @@ away is on disk before the failure: the survivors load the executable (~0.1-0.3 
 of compiling it, and process 0, if it survives, finds it in memory (a jitted function called
 with the arguments it was lowered for reuses the ahead-of-time compile). Only process 0
 does the work: when every member compiled its own candidates, four processes on two cores
-slowed the steps after each change by more than the retries saved (measured, see README).
+slowed the steps after each change by more than the retries saved (measured, see docs/design.md).
 
 Safety: the thread never runs while the backend is rebuilt (:meth:`Warmer.pause` takes its
 lock, waiting for at most the compile in progress), and work queued for an older backend is

@@ -44,7 +44,7 @@ fi
 N=${N:-4}
 STEPS=${STEPS:-400}
 ADMISSION=${ADMISSION:-ready}
-PRECOMPILE=${PRECOMPILE:-0}  # N: process 0 compiles the one-failure meshes ahead (see README)
+PRECOMPILE=${PRECOMPILE:-0}  # N: process 0 compiles the one-failure meshes ahead (see docs/design.md)
 RUN_DIR=${RUN_DIR:-runs/launch_local-$(date +%Y%m%d-%H%M%S)}
 LAST=$((N - 1))
 
