@@ -23,8 +23,8 @@ EVENTS_FILE = "events.jsonl"
 logger = logging.getLogger(__name__)
 WARNING_EVENTS = frozenset({"step_failed", "checkpoint_abandoned", "checkpoint_rejected",
                             "checkpoint_data_mismatch", "hung"})
-INFO_EVENTS = frozenset({"exit", "fault", "join", "rehydrated", "restored", "checkpoint_saved", "final", "launch",
-                         "restart", "run_start", "run_end", "interrupted", "data_plane"})
+INFO_EVENTS = frozenset({"exit", "fault", "join", "rehydrated", "restored", "restore_deferred", "checkpoint_saved",
+                         "final", "launch", "restart", "run_start", "run_end", "interrupted", "data_plane"})
 
 
 class EventLog:

@@ -22,7 +22,9 @@ A fault spec is ``ACTION:key=value:...``:
   process holds) and ``during-restore`` (a cold restore read the checkpoint, nothing
   adopted yet; ``step`` is the checkpoint's); ``admitted`` (a restarted process in the step
   that admits it, after the rebuild's barriers, before anything else: fires in the joiner,
-  with the step it holds).
+  with the step it holds); ``restore-deferred`` (a restarted process put off its checkpoint
+  restore because its peers train on, :meth:`jaxft.ElasticCheckpointer.restore`; ``step`` is
+  the one it holds, 0 after a restart).
 * ``kill:process=3:step=20:width=4`` -- ``width=N``: at the first step from 20 on whose
   members number N (at ``before-step``: the last committed step's, none right after a
   failed attempt): a story that waits for a rejoin, whatever this machine's speed.
@@ -47,7 +49,7 @@ from jaxft.errors import FaultSpecError
 
 ACTIONS = ("kill", "kill-all", "stop", "hang")
 PHASES = ("before-step", "in-step", "after-grad", "after-commit", "before-save", "during-save", "during-rehydrate",
-          "during-restore", "admitted")
+          "during-restore", "admitted", "restore-deferred")
 DEFAULT_PHASE = "after-grad"
 
 

@@ -98,6 +98,9 @@ class Launcher:
         self.timeouts.export(env)
         if worker.died_at is not None:
             env[envvars.DIED_AT] = f"{worker.died_at:.3f}"
+            env[envvars.PEERS_RUNNING] = "1" if c.nnodes > 1 or self._peers_alive_since(worker) else "0"
+        else:
+            env.pop(envvars.PEERS_RUNNING, None)
         if c.run_dir:
             env[envvars.RUN_DIR] = os.path.abspath(c.run_dir)
         if c.gpus is not None:
@@ -109,6 +112,13 @@ class Launcher:
         if c.checkpoint_on_stop:
             env[envvars.CHECKPOINT_ON_STOP] = "1"
         return env
+
+    def _peers_alive_since(self, worker: _Worker) -> bool:
+        """Whether another local worker that was running when ``worker`` died still runs (a run
+        that goes on without it: its restart need not restore a checkpoint, see
+        :meth:`jaxft.ElasticCheckpointer.restore`)."""
+        return any(o is not worker and o.proc is not None and o.proc.poll() is None
+                   and o.launched_at < (worker.died_at or 0.0) for o in self.workers)
 
     def _start(self, worker: _Worker, address: str, fault_dir: str) -> None:
         worker.incarnation += 1

@@ -150,6 +150,7 @@ class ElasticGroup:
         self._pre_reset: list[Callable[[], None]] = []
         self._post_reset: list[Callable[[], None]] = []
         self._before_announce: list[Callable[[tuple[int, ...]], None]] = []
+        self._on_cold_start: list[Callable[[], None]] = []
         self._watchdog: _Watchdog | None = None
         self._old_backends: list[tuple[weakref.ref, float]] = []  # (a client a rebuild replaced, when)
         self.leaked_backends = 0  # rebuilds after which arrays of the old backend stayed alive
@@ -170,6 +171,20 @@ class ElasticGroup:
         expects to enter, before it tells the members it is ready: set-up done there (compiling
         the step for that set) costs the members nothing."""
         self._before_announce.append(hook)
+
+    def members_running(self) -> bool:
+        """Whether members are running a step loop this process would be admitted into (ready
+        admission's test at its first step: a published member list whose heartbeats move;
+        up to ``max(1.5 s, heartbeat / 2)`` to tell a stale list from a live one)."""
+        joiner = admission_lib.Joiner(self.process_id, self.timeouts)
+        return joiner.running_members(settle_s=max(1.5, 0.5 * self.timeouts.heartbeat)) is not None
+
+    def on_cold_start(self, hook: Callable[[], None]) -> None:
+        """Register ``hook()``, run once if this process's first step (ready admission) turns
+        out to be a cold start rather than an admission into a running set: set-up that only a
+        cold start needs (a checkpoint restore, which an admitted process would throw away for
+        a member's state) deferred until that is known."""
+        self._on_cold_start.append(hook)
 
     def busy(self):
         """Context manager: legitimately long work between steps, exempt from the step deadline
@@ -387,10 +402,16 @@ class ElasticGroup:
                 # heartbeat + 1.5 s after a death): a record counts only against a later one
                 self._deaths.assume_alive_since(pids, alive_at - 1.0)
                 if cold:
+                    hooks, self._on_cold_start = self._on_cold_start, []
+                    with self.hang.busy():  # (a restore may take a while; nobody waits for it yet)
+                        for hook in hooks:
+                            hook()
                     # a cold start, as far as this process could tell: if the others started
                     # without it meanwhile (it came up late, or is the restart of one that
                     # died in their first step), this query would never be answered
                     give_up = admission_lib.started_without(self.process_id)
+                else:
+                    self._on_cold_start = []  # admitted: a member's state replaces what they would set up
             else:
                 pids = sorted(set(self._barrier_pids) | self._admitting)
             try:

@@ -175,6 +175,43 @@ def test_kill_all_restarts_cold_from_the_latest_complete_checkpoint(tmp_path, re
 
 # -- (b) a process dies while a save is in flight ----------------------------------------------
 
+def test_a_restart_whose_peer_trains_on_puts_off_its_restore_and_is_rehydrated(tmp_path, reference):
+    """Ready admission: a restarted process whose peer trains on would throw a checkpoint away
+    for the member's newer state at its admission, so it does not read one."""
+    proc, ev = launch(tmp_path / "run", "--steps", str(STEPS), "--checkpoint_every", str(EVERY),
+                      "--checkpoint_dir", str(tmp_path / "ckpt"), "--step_sleep", "0.8",
+                      faults=["kill:process=1:step=8"])
+    assert proc.returncode == 0, _tail(proc)
+    assert helpers.by_event(ev, "checkpoint_saved", process=0, step=5), "a checkpoint existed before the kill"
+    [deferred] = helpers.by_event(ev, "restore_deferred", process=1, incarnation=1)
+    assert deferred["step"] == 0, deferred
+    assert not helpers.by_event(ev, "restored", process=1), "the restart read a checkpoint it would throw away"
+    [rehydrated] = helpers.by_event(ev, "rehydrated", process=1)
+    assert rehydrated["from_step"] == 0 and rehydrated["step"] > 8, rehydrated
+    assert _final_shas(ev) == [reference["sha"]] * 2
+    print(f"\nrestart of process 1: restore put off, rehydrated at step {rehydrated['step']}")
+
+
+@pytest.mark.soak  # ~50 s: the default suite stays under its time budget
+def test_a_put_off_restore_runs_when_every_member_died_meanwhile(tmp_path, reference):
+    """The restart of process 1 puts off its restore (process 0 trains on) and stays in its
+    set-up (a ``hang`` at ``restore-deferred``) while process 0 is killed too: its first step
+    is then a cold start with process 0's restart, and it restores the checkpoint after all."""
+    proc, ev = launch(tmp_path / "run", "--steps", str(STEPS), "--checkpoint_every", str(EVERY),
+                      "--checkpoint_dir", str(tmp_path / "ckpt"), "--step_sleep", "1.0",
+                      faults=["kill:process=1:step=3", "hang:process=1:step=0:phase=restore-deferred:for=15s",
+                              "kill:process=0:step=18"], timeout=300)
+    assert proc.returncode == 0, _tail(proc)
+    [deferred] = helpers.by_event(ev, "restore_deferred", process=1, incarnation=1)
+    [p0] = helpers.by_event(ev, "restored", process=0, incarnation=1)
+    [p1] = helpers.by_event(ev, "restored", process=1, incarnation=1)
+    assert p1["time"] > deferred["time"] and p1["step"] == p0["step"] >= 10, (deferred, p0, p1)
+    first = min(e["step"] for e in helpers.by_event(ev, "commit", process=1, incarnation=1))
+    assert first == p1["step"], (first, p1)
+    assert not helpers.by_event(ev, "rehydrated", process=1), "a cold start: nobody holds a newer step"
+    assert _final_shas(ev) == [reference["sha"]] * 2
+
+
 @pytest.mark.soak  # long: the default suite stays under its time budget
 @pytest.mark.parametrize("victim", [1, 0], ids=["non-primary", "primary"])
 def test_kill_during_save_never_leaves_a_partial_checkpoint(tmp_path, reference, victim):

@@ -129,7 +129,7 @@ def main(argv):
                                    on_commit=on_commit, group=jaxft.ElasticGroup(admission=FLAGS.admission),
                                    precompile=FLAGS.precompile)
     if ckpt is not None:
-        restored = ckpt.restore(trainer)  # cold restore: every process, independently
+        restored = ckpt.restore(trainer)  # cold restore (put off by a restart whose peers train on)
         if restored is not None:
             print(f"restored step {restored.step} from {restored.path}", flush=True)
     state = trainer.run(FLAGS.steps)

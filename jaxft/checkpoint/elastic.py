@@ -15,7 +15,7 @@ import os
 from typing import Any, Mapping
 
 from jaxft.checkpoint.store import CheckpointStore, Restored, _Save
-from jaxft import stopping
+from jaxft import envvars, stopping
 from jaxft.errors import CheckpointDirectoryError
 from jaxft.events import EventLog
 from jaxft.timeouts import Timeouts
@@ -43,8 +43,6 @@ def resolve_directory(directory: str | os.PathLike | None, environ=os.environ) -
     """``directory``, or ``$JAXFT_RUN_DIR/checkpoints`` (set by ``jaxft launch --run-dir``)."""
     if directory is not None:
         return os.fspath(directory)
-    from jaxft import envvars
-
     run_dir = environ.get(envvars.RUN_DIR)
     if not run_dir:
         raise CheckpointDirectoryError("checkpointing needs a directory: pass one, or run under "
@@ -97,8 +95,29 @@ class ElasticCheckpointer:
         return self.store.directory
 
     def restore(self, trainer) -> Restored | None:
-        """Cold restore into ``trainer`` (before training); None if there is no usable checkpoint."""
+        """Cold restore into ``trainer`` (before training); None if there is no usable checkpoint.
+
+        A restarted process whose peers train on (``jaxft launch`` says one may, and their
+        heartbeats say they do; ready admission) would throw the checkpoint away for a live
+        member's newer state when it is admitted: it does not read it (the
+        ``restore_deferred`` event; returns None), and restores only if its first step turns
+        out to be a cold start after all (every member died while it set up)."""
         loop = _loop(trainer)
+        if self._peers_train_on(loop):
+            self.events.log("restore_deferred", step=loop.step)
+            loop.group.on_cold_start(lambda: self._restore(loop))
+            if self.faults is not None:
+                self.faults.point("restore-deferred", loop.step)
+            self.restored = None
+            return None
+        return self._restore(loop)
+
+    def _peers_train_on(self, loop) -> bool:
+        """A restart that ready admission will bring into a running set of members."""
+        return (os.environ.get(envvars.PEERS_RUNNING) == "1" and loop.group.admission == "ready"
+                and loop.group.members_running())
+
+    def _restore(self, loop) -> Restored | None:
         restored = self.store.restore_latest(loop.state)
         if restored is not None:
             if self.faults is not None:
