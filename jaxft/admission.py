@@ -175,6 +175,10 @@ class Joiner:
                 return pids
         return None
 
+    def listed_members(self) -> list[int] | None:
+        """The newest member list the members published, whether or not they still run."""
+        return self._member_beats()[0]
+
     def _member_beats(self) -> tuple[list[int] | None, dict[str, str | None]]:
         """The newest member list the members published, and the heartbeat counter of each
         member that published it (any of them beating: the run goes on; only the lowest

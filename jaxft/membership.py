@@ -172,12 +172,12 @@ class ElasticGroup:
         the step for that set) costs the members nothing."""
         self._before_announce.append(hook)
 
-    def members_running(self) -> bool:
-        """Whether members are running a step loop this process would be admitted into (ready
-        admission's test at its first step: a published member list whose heartbeats move;
-        up to ``max(1.5 s, heartbeat / 2)`` to tell a stale list from a live one)."""
-        joiner = admission_lib.Joiner(self.process_id, self.timeouts)
-        return joiner.running_members(settle_s=max(1.5, 0.5 * self.timeouts.heartbeat)) is not None
+    def members_listed(self) -> bool:
+        """Whether the members of a running job have published their list (one key-value
+        read). A stale list, of members that all died, is told apart from a live one only at
+        this process's first step (whose heartbeat test takes up to ``max(1.5 s, heartbeat /
+        2)``): set-up put off on this answer registers :meth:`on_cold_start` for that case."""
+        return admission_lib.Joiner(self.process_id, self.timeouts).listed_members() is not None
 
     def on_cold_start(self, hook: Callable[[], None]) -> None:
         """Register ``hook()``, run once if this process's first step (ready admission) turns

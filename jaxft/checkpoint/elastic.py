@@ -97,11 +97,11 @@ class ElasticCheckpointer:
     def restore(self, trainer) -> Restored | None:
         """Cold restore into ``trainer`` (before training); None if there is no usable checkpoint.
 
-        A restarted process whose peers train on (``jaxft launch`` says one may, and their
-        heartbeats say they do; ready admission) would throw the checkpoint away for a live
-        member's newer state when it is admitted: it does not read it (the
+        A restarted process whose peers train on (``jaxft launch`` says one may, and the
+        members' list is published; ready admission) would throw the checkpoint away for a
+        live member's newer state when it is admitted: it does not read it (the
         ``restore_deferred`` event; returns None), and restores only if its first step turns
-        out to be a cold start after all (every member died while it set up)."""
+        out to be a cold start after all (every member died while it set up, or before)."""
         loop = _loop(trainer)
         if self._peers_train_on(loop):
             self.events.log("restore_deferred", step=loop.step)
@@ -115,7 +115,7 @@ class ElasticCheckpointer:
     def _peers_train_on(self, loop) -> bool:
         """A restart that ready admission will bring into a running set of members."""
         return (os.environ.get(envvars.PEERS_RUNNING) == "1" and loop.group.admission == "ready"
-                and loop.group.members_running())
+                and loop.group.members_listed())
 
     def _restore(self, loop) -> Restored | None:
         restored = self.store.restore_latest(loop.state)
