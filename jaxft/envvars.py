@@ -13,8 +13,8 @@ HEARTBEAT_TIMEOUT = "JAXFT_HEARTBEAT_TIMEOUT"  # seconds
 COLLECTIVE_TIMEOUT = "JAXFT_COLLECTIVE_TIMEOUT"  # seconds, CPU collectives
 INCARNATION = "JAXFT_INCARNATION"  # 0 for the first start, +1 per restart
 DIED_AT = "JAXFT_PREVIOUS_DIED_AT"  # wall-clock time the launcher saw the previous incarnation exit
-# A restart: "1" when a peer that was running when it died may still run (one of this launcher's
-# workers still alive from then, or other nodes), "0" when every worker of the run was down
+# A restart: "1" when a member may still run (a local worker whose life began before the death,
+# or other nodes), "0" when every local worker is down or a restart of the same failure
 PEERS_RUNNING = "JAXFT_PEERS_MAY_RUN"
 RUN_DIR = "JAXFT_RUN_DIR"
 FAULTS = "JAXFT_FAULTS"  # ";"-separated fault specs (see jaxft.faults)

@@ -36,6 +36,9 @@ from jaxft.procs import _fault_dir, _is_stopped, _set_pdeathsig, detect_gpus
 
 __all__ = ["Launcher", "LaunchConfig", "LaunchError", "RESTART_POLICIES", "detect_gpus"]
 
+# A life begun less than this before a worker's death cannot yet be a member: a restart of the
+# same failure (it still imports); see Launcher._peers_alive_since
+SAME_FAILURE_S = 1.0
 KILL_ALL_GRACE_S = 0.5  # the step's members die at the fault point themselves; then the rest
 
 EXIT_REASONS = {EXIT_CONFIG_ERROR: "configuration error", EXIT_HUNG: "hung: it stopped itself, stack in its output",
@@ -114,11 +117,16 @@ class Launcher:
         return env
 
     def _peers_alive_since(self, worker: _Worker) -> bool:
-        """Whether another local worker that was running when ``worker`` died still runs (a run
-        that goes on without it: its restart need not restore a checkpoint, see
-        :meth:`jaxft.ElasticCheckpointer.restore`)."""
+        """Whether another local worker that may be a member runs on: one alive now whose life
+        began more than ``SAME_FAILURE_S`` before ``worker`` died. If none does (every worker
+        died, within moments of each other: a kill-all, a node's failure), the restart starts
+        cold at once: it connects without waiting for the service to forget its previous
+        life and does not wait on the stale member list (:class:`jaxft.ElasticGroup`); else
+        it puts off its checkpoint restore (:meth:`jaxft.ElasticCheckpointer.restore`). A
+        wrong guess either way costs time, not correctness."""
+        died = worker.died_at or 0.0
         return any(o is not worker and o.proc is not None and o.proc.poll() is None
-                   and o.launched_at < (worker.died_at or 0.0) for o in self.workers)
+                   and o.launched_at < died - SAME_FAILURE_S for o in self.workers)
 
     def _start(self, worker: _Worker, address: str, fault_dir: str) -> None:
         worker.incarnation += 1

@@ -34,7 +34,8 @@ from jax.experimental import multihost_utils
 from jax.extend import backend as jax_backend
 from jax.sharding import Mesh
 
-from jaxft import _compat, admission as admission_lib, breaker, deaths as deaths_lib, kv, lives, priority, rendezvous
+from jaxft import _compat, admission as admission_lib, breaker, deaths as deaths_lib, envvars, kv, lives, priority
+from jaxft import rendezvous
 from jaxft import timeouts as timeouts_lib
 from jaxft.errors import BarrierTimeout, StepFailed
 from jaxft.hang import WAIT_NOTICE_S, HangMonitor
@@ -42,6 +43,7 @@ from jaxft.rejoin import is_new
 from jaxft.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
+_STARTED_AT = time.time()  # (imported at this process's start-up)
 
 EXIT_BARRIER_TIMEOUT = 75  # exit code of a process that gave up waiting at a barrier
 
@@ -151,6 +153,8 @@ class ElasticGroup:
         self._post_reset: list[Callable[[], None]] = []
         self._before_announce: list[Callable[[tuple[int, ...]], None]] = []
         self._on_cold_start: list[Callable[[], None]] = []
+        # jaxft launch (one node): every worker of the run was down when this one restarted
+        self._nobody_runs = os.environ.get(envvars.PEERS_RUNNING) == "0"
         self._watchdog: _Watchdog | None = None
         self._old_backends: list[tuple[weakref.ref, float]] = []  # (a client a rebuild replaced, when)
         self.leaked_backends = 0  # rebuilds after which arrays of the old backend stayed alive
@@ -441,6 +445,11 @@ class ElasticGroup:
         everyone = sorted({d.process_index for d in jax.devices()})
         if self.run_finished():
             _hard_exit(0, f"jaxft: the run finished before process {self.process_id} could join; exiting 0")
+        if self._nobody_runs:  # a cold start: no member list to wait on, whatever the service still holds
+            self._nobody_runs = False
+            # every earlier life died before this process started, and a death record counts
+            # against a life seen alive up to 1 s before it (see _entry_query)
+            return everyone, max(time.time(), _STARTED_AT + 1.0), True
         joiner = admission_lib.Joiner(self.process_id, self.timeouts)
         listed_since = time.monotonic()
         while True:

@@ -216,8 +216,9 @@ def initialize(coordinator_address: str | None = None,
         _wait_reachable(coordinator_address, initialization_timeout, process_id)
     if gloo_interface is not None or gloo_hostname is not None:
         _compat.use_gloo_address(interface=gloo_interface, hostname=gloo_hostname)
-    if wait_until_forgotten:
-        _wait_until_forgotten(environ.get(envvars.DIED_AT), heartbeat_timeout, process_id)
+    waited = 0.0
+    if wait_until_forgotten and environ.get(envvars.PEERS_RUNNING) != "0":  # "0": no member to hold up
+        waited = _wait_until_forgotten(environ.get(envvars.DIED_AT), heartbeat_timeout, process_id)
     guard = _compat.no_service_start() if external_coordinator else contextlib.nullcontext()
     try:
         with guard:
@@ -235,7 +236,7 @@ def initialize(coordinator_address: str | None = None,
     elif num_processes > 1:
         atexit.register(_announce_leaving, process_id)
     events = EventLog(run_dir, process_id, incarnation)
-    events.log("initialized", source=place.source)
+    events.log("initialized", source=place.source, forget_wait_s=round(waited, 3))
     faults = FaultInjector.from_env(process_id, on_fire=_fault_logger(events), environ=environ)
     timeouts_lib.set_current(timeouts)
     _install_stop_handlers()
@@ -360,24 +361,28 @@ def _configure_compilation_cache(setting: str | bool | None, run_dir: str | None
     _compat.cache_local_executables()  # else only process 0 ever finds one of its own programs
 
 
-def _wait_until_forgotten(died_at: str | None, heartbeat_timeout: float, process_id: int) -> None:
-    """A restarted process connects only once the service has declared its previous life dead.
+def _wait_until_forgotten(died_at: str | None, heartbeat_timeout: float, process_id: int) -> float:
+    """A restarted process connects only once the service has declared its previous life
+    dead; returns the seconds it waited.
 
     A new incarnation that registers earlier replaces the dead one while the survivors still
     count it, so their ``live_devices`` barrier waits for it (through all of its set-up)
     instead of going on without it. The service notices a death within the heartbeat
-    timeout and checks once a second; ``jaxft launch`` hands down when the previous life ended.
+    timeout and checks once a second; ``jaxft launch`` hands down when the previous life
+    ended (and says when no member runs: then there is nobody to hold up, no wait).
     """
     if not died_at:
-        return
+        return 0.0
     try:
         wait = float(died_at) + heartbeat_timeout + 1.5 - time.time()
     except ValueError:
-        return
-    if wait > 0:
-        logger.info("process %d: waiting %.1f s for the service to forget its previous incarnation",
-                    process_id, wait)
-        time.sleep(min(wait, heartbeat_timeout + 1.5))
+        return 0.0
+    if wait <= 0:
+        return 0.0
+    wait = min(wait, heartbeat_timeout + 1.5)
+    logger.info("process %d: waiting %.1f s for the service to forget its previous incarnation", process_id, wait)
+    time.sleep(wait)
+    return wait
 
 
 def _wait_reachable(address: str, timeout: float, process_id: int) -> None:

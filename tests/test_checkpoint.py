@@ -122,6 +122,11 @@ def test_kill_all_restarts_cold_from_the_latest_complete_checkpoint(tmp_path, re
     assert sorted(e["process"] for e in helpers.by_event(ev, "restart")) == [0, 1], helpers.by_event(ev, "restart")
     assert sorted(e["process"] for e in helpers.by_event(ev, "fault") if e.get("action") == "kill-all") == [0, 1]
     kill_time = min(e["time"] for e in helpers.by_event(ev, "fault"))
+    # No member ran on: the restarts connected at once (no wait for the service to forget
+    # their previous lives, which holds up only members), and restored at once.
+    waits = {e["process"]: e["forget_wait_s"] for e in helpers.by_event(ev, "initialized", incarnation=1)}
+    assert waits == {0: 0.0, 1: 0.0}, waits
+    assert not helpers.by_event(ev, "restore_deferred"), helpers.by_event(ev, "restore_deferred")
 
     # Each restarted process restored, from the default $JAXFT_RUN_DIR/checkpoints.
     restored = {e["process"]: e for e in helpers.by_event(ev, "restored", incarnation=1)}
@@ -185,6 +190,8 @@ def test_a_restart_whose_peer_trains_on_puts_off_its_restore_and_is_rehydrated(t
     assert helpers.by_event(ev, "checkpoint_saved", process=0, step=5), "a checkpoint existed before the kill"
     [deferred] = helpers.by_event(ev, "restore_deferred", process=1, incarnation=1)
     assert deferred["step"] == 0, deferred
+    [init] = helpers.by_event(ev, "initialized", process=1, incarnation=1)
+    assert init["forget_wait_s"] > 0, "a member ran on: the restart waits until its previous life is forgotten"
     assert not helpers.by_event(ev, "restored", process=1), "the restart read a checkpoint it would throw away"
     [rehydrated] = helpers.by_event(ev, "rehydrated", process=1)
     assert rehydrated["from_step"] == 0 and rehydrated["step"] > 8, rehydrated
