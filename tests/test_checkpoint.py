@@ -178,8 +178,6 @@ def test_kill_all_restarts_cold_from_the_latest_complete_checkpoint(tmp_path, re
           f"run took {proc.elapsed:.1f} s")
 
 
-# -- (b) a process dies while a save is in flight ----------------------------------------------
-
 def test_a_restart_whose_peer_trains_on_puts_off_its_restore_and_is_rehydrated(tmp_path, reference):
     """Ready admission: a restarted process whose peer trains on would throw a checkpoint away
     for the member's newer state at its admission, so it does not read one."""
@@ -218,6 +216,8 @@ def test_a_put_off_restore_runs_when_every_member_died_meanwhile(tmp_path, refer
     assert not helpers.by_event(ev, "rehydrated", process=1), "a cold start: nobody holds a newer step"
     assert _final_shas(ev) == [reference["sha"]] * 2
 
+
+# -- (b) a process dies while a save is in flight ----------------------------------------------
 
 @pytest.mark.soak  # long: the default suite stays under its time budget
 @pytest.mark.parametrize("victim", [1, 0], ids=["non-primary", "primary"])
