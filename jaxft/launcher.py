@@ -37,7 +37,7 @@ from jaxft.procs import _fault_dir, _is_stopped, _set_pdeathsig, detect_gpus
 __all__ = ["Launcher", "LaunchConfig", "LaunchError", "RESTART_POLICIES", "detect_gpus"]
 
 # A life begun less than this before a worker's death cannot yet be a member: a restart of the
-# same failure (it still imports); see Launcher._peers_alive_since
+# same failure (it still imports); see Launcher._member_may_run
 SAME_FAILURE_S = 1.0
 KILL_ALL_GRACE_S = 0.5  # the step's members die at the fault point themselves; then the rest
 
@@ -101,7 +101,7 @@ class Launcher:
         self.timeouts.export(env)
         if worker.died_at is not None:
             env[envvars.DIED_AT] = f"{worker.died_at:.3f}"
-            env[envvars.PEERS_RUNNING] = "1" if c.nnodes > 1 or self._peers_alive_since(worker) else "0"
+            env[envvars.PEERS_RUNNING] = "1" if c.nnodes > 1 or self._member_may_run(worker) else "0"
         else:
             env.pop(envvars.PEERS_RUNNING, None)
         if c.run_dir:
@@ -116,7 +116,7 @@ class Launcher:
             env[envvars.CHECKPOINT_ON_STOP] = "1"
         return env
 
-    def _peers_alive_since(self, worker: _Worker) -> bool:
+    def _member_may_run(self, worker: _Worker) -> bool:
         """Whether another local worker that may be a member runs on: one alive now whose life
         began more than ``SAME_FAILURE_S`` before ``worker`` died. If none does (every worker
         died, within moments of each other: a kill-all, a node's failure), the restart starts

@@ -153,8 +153,10 @@ class ElasticGroup:
         self._post_reset: list[Callable[[], None]] = []
         self._before_announce: list[Callable[[tuple[int, ...]], None]] = []
         self._on_cold_start: list[Callable[[], None]] = []
-        # jaxft launch (one node): every worker of the run was down when this one restarted
-        self._nobody_runs = os.environ.get(envvars.PEERS_RUNNING) == "0"
+        # jaxft launch's word on a restart: a member may run on (True), none does (False: every
+        # local worker died in the same failure, one node), or nothing said (None)
+        self.peers_may_run: bool | None = {"1": True, "0": False}.get(os.environ.get(envvars.PEERS_RUNNING, ""))
+        self._nobody_runs = self.peers_may_run is False  # (consumed by the first step's _join)
         self._watchdog: _Watchdog | None = None
         self._old_backends: list[tuple[weakref.ref, float]] = []  # (a client a rebuild replaced, when)
         self.leaked_backends = 0  # rebuilds after which arrays of the old backend stayed alive

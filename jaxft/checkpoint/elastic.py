@@ -114,8 +114,8 @@ class ElasticCheckpointer:
 
     def _peers_train_on(self, loop) -> bool:
         """A restart that ready admission will bring into a running set of members."""
-        return (os.environ.get(envvars.PEERS_RUNNING) == "1" and loop.group.admission == "ready"
-                and loop.group.members_listed())
+        group = loop.group
+        return bool(group.peers_may_run) and group.admission == "ready" and group.members_listed()
 
     def _restore(self, loop) -> Restored | None:
         restored = self.store.restore_latest(loop.state)
