@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -59,8 +60,9 @@ def _add_launch(sub) -> None:
                    help="where a hosted coordinator listens (default: loopback; all interfaces with "
                         "--host-coordinator)")
     p.add_argument("--gpus", type=_gpus, default="auto",
-                   help="auto (default: one worker per local GPU when nvidia-smi lists any, else CPU), "
-                        "all (GPUs required), none (CPU), or ids like 0,1,2")
+                   help="auto (default: one worker per local GPU when nvidia-smi lists any and JAX_PLATFORMS "
+                        "does not start with cpu, else CPU), "
+                        "all (GPUs required), none (CPU workers: JAX_PLATFORMS=cpu unless set), or ids like 0,1,2")
     p.add_argument("--grace", type=float, default=5.0, help="SIGTERM -> SIGKILL bound at shutdown, seconds")
     p.add_argument("--nice-restarts", type=int, default=0, metavar="N",
                    help="start a restarted worker N nicer and give it its priority back as it joins the step, "
@@ -111,6 +113,13 @@ def _launch(args, parser) -> int:
     if command and command[0] == "--":
         command = command[1:]
     gpus = args.gpus
+    extra_env = {}
+    if gpus == "none" and "JAX_PLATFORMS" not in os.environ:
+        # CPU workers even where jax would pick a GPU: without this each worker's jax takes
+        # the node's default GPU, every one the same.
+        extra_env["JAX_PLATFORMS"] = "cpu"
+    if gpus == "auto" and os.environ.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
+        gpus = None  # the workers will run on CPU whatever the node has: no GPU assignment
     if gpus in ("auto", "all"):
         found = detect_gpus()
         if gpus == "all" and not found:
@@ -121,7 +130,7 @@ def _launch(args, parser) -> int:
     n = args.num_processes
     if n is None:
         if gpus is None:
-            raise LaunchError("-n is required on a machine without GPUs")
+            raise LaunchError("-n is required for CPU workers (no GPU found, --gpus none, or JAX_PLATFORMS=cpu)")
         n = len(gpus)
     elif gpus is not None and n > len(gpus):
         raise LaunchError(f"-n {n} workers but this node has {len(gpus)} GPU(s) ({','.join(map(str, gpus))}): "
@@ -137,7 +146,8 @@ def _launch(args, parser) -> int:
                           node_rank=args.node_rank, coordinator=args.coordinator,
                           host_coordinator=args.host_coordinator, gloo_interface=args.gloo_interface,
                           console="raw" if args.verbose else args.console, progress_every=args.progress_every,
-                          checkpoint_on_stop=args.checkpoint_on_stop, nice_restarts=args.nice_restarts)
+                          checkpoint_on_stop=args.checkpoint_on_stop, nice_restarts=args.nice_restarts,
+                          extra_env=extra_env)
     return Launcher(config).run()
 
 

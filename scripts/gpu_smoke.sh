@@ -1,39 +1,73 @@
 #!/usr/bin/env bash
 # GPU smoke check, for a machine with at least one NVIDIA GPU (not part of CI).
 #
-#   scripts/gpu_smoke.sh            # installs jaxft (+ its cuda12 extra unless jax already sees a GPU)
+#   scripts/gpu_smoke.sh
+#
+# Where jax already sees a GPU nothing is installed (such a machine may have no registry):
+# jaxft runs from this checkout (PYTHONPATH) on the jax, optax, Orbax and flax found there.
+# Else it installs jaxft with its cuda12 extra first.
 #
 # 1. jaxft.initialize() in one process: the recoverability config, the NCCL-abort XLA flags
 #    and env vars it sets, the devices jax sees;
 # 2. a jitted step on the GPU;
 # 3. a single-process ElasticTrainer run (the mlp workload, 20 steps);
-# 4. `jaxft launch` with the default GPU assignment (one worker per local GPU), the same run.
+# 4. `jaxft launch` with the default GPU assignment (one worker per local GPU), the same run;
+# 5. tests/test_private_api.py on this jax (the borrowed jaxlib internals; CPU, as in CI);
+# 6. `jaxft launch -n 2 --gpus none` on this GPU node: CPU workers, the same run;
+# 7. figures: the elastic step's per-step overhead over a plain loop, one GPU process
+#    (a ~20 ms step and a small one), and two CPU processes as `jaxft bench overhead -n 2`
+#    runs in the issue tracker's figures.
 # Each part prints PASS/FAIL; the script exits non-zero if any failed. Output also goes to
-# $OUT/gpu_smoke.log when OUT is set. One GPU cannot exercise multi-process NCCL.
+# $OUT/gpu_smoke.log and the run directories' events to $OUT/runs.tgz when OUT is set.
+# One GPU cannot exercise multi-process NCCL.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+repo=$PWD
 log=${OUT:+$OUT/gpu_smoke.log}
 exec > >(tee ${log:+"$log"}) 2>&1
 
 python=${PYTHON:-python3}
 status=0
-part() { echo; echo "== $1"; }
+runs=$(mktemp -d /tmp/jaxft-gpu-smoke-XXXX)
+part() { echo; echo "== $1 ($(date +%T))"; }
 result() { if [ "$1" -eq 0 ]; then echo "PASS: $2"; else echo "FAIL: $2 (exit $1)"; status=1; fi; }
+final() { grep -h '"final"' "$1/events.jsonl" | head -4 || true; }
+overhead() {  # overhead NAME LAUNCH_ARGS... -- STEPS HIDDEN BATCH
+    local name=$1; shift
+    local args=(); while [ "$1" != "--" ]; do args+=("$1"); shift; done; shift
+    timeout 240 "$python" -m jaxft.cli launch "${args[@]}" --console raw --run-dir "$runs/$name" -- \
+        "$python" -m jaxft.bench.overhead "$@" >"$runs/$name.out" 2>&1
+    local rc=$?
+    grep -h '"bench_overhead"' "$runs/$name/events.jsonl" | head -1 || tail -20 "$runs/$name.out"
+    result $rc "overhead: $name"
+}
 
 part "machine"
 nvidia-smi -L || echo "nvidia-smi not found"
+nproc
 "$python" --version
 
 part "install"
-if ! "$python" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' 2>/dev/null; then
-    "$python" -m pip install -q -e '.[cuda12]' || status=1
+if "$python" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' 2>/dev/null; then
+    echo "jax sees a GPU: running jaxft from $repo without installing"
+    export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 else
-    "$python" -m pip install -q --no-deps -e . || status=1
+    "$python" -m pip install -q -e '.[cuda12]' || status=1
 fi
-"$python" -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__)'
+"$python" - <<'EOF'
+from importlib.metadata import PackageNotFoundError, version
+for name in ("jax", "jaxlib", "jax-cuda12-plugin", "jax-cuda13-plugin", "optax", "orbax-checkpoint", "flax",
+             "numpy", "ml_dtypes", "absl-py", "rich", "scikit-learn", "pytest"):
+    try:
+        print(f"{name} {version(name)}")
+    except PackageNotFoundError:
+        pass
+import jaxft
+print("jaxft from", jaxft.__file__)
+EOF
 
 part "initialize + a jitted step"
-timeout 300 "$python" - <<'EOF'
+timeout 180 "$python" - <<'EOF'
 import os
 import jaxft
 
@@ -57,15 +91,32 @@ EOF
 result $? "initialize + jitted step on the GPU"
 
 part "single-process ElasticTrainer (mlp, 20 steps)"
-timeout 300 "$python" -m jaxft.bench.mlp --steps 20 --check_every 5
+timeout 180 "$python" -m jaxft.bench.mlp --steps 20 --check_every 5
 result $? "single-process ElasticTrainer"
 
 part "jaxft launch, default GPU assignment (one worker per GPU)"
-run_dir=$(mktemp -d /tmp/jaxft-gpu-smoke-XXXX)
-timeout 600 "$python" -m jaxft.cli launch --run-dir "$run_dir" -- "$python" -m jaxft.bench.mlp --steps 20
+timeout 240 "$python" -m jaxft.cli launch --console raw --run-dir "$runs/gpu" -- "$python" -m jaxft.bench.mlp --steps 20
 result $? "jaxft launch with --gpus auto"
-grep -h '"final"' "$run_dir/events.jsonl" || true
+final "$runs/gpu"
 
+part "private jaxlib API on this jax (tests/test_private_api.py, CPU)"
+JAX_PLATFORMS=cpu timeout 240 "$python" -m pytest -q -p no:cacheprovider tests/test_private_api.py
+result $? "tests/test_private_api.py"
+
+part "jaxft launch -n 2 --gpus none on a GPU node (CPU workers)"
+timeout 240 "$python" -m jaxft.cli launch -n 2 --gpus none --console raw --run-dir "$runs/cpu" -- \
+    "$python" -m jaxft.bench.mlp --steps 20
+result $? "jaxft launch --gpus none"
+final "$runs/cpu"
+
+part "figures: per-step overhead of the elastic step over a plain loop"
+overhead gpu-1proc-h4096-b4096 -- 100 4096 4096
+overhead gpu-1proc-h512-b512 -- 100 512 512
+overhead cpu-2proc-h512-b1536 -n 2 --gpus none -- 100 512 1536
+
+if [ -n "${OUT:-}" ]; then
+    tar -czf "$OUT/runs.tgz" -C "$runs" . 2>/dev/null || true
+fi
 echo
 if [ $status -eq 0 ]; then echo "gpu_smoke: all parts passed"; else echo "gpu_smoke: some parts FAILED"; fi
 exit $status

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.smoke
 
 ENV_PRINTER = ("import json, os; print('ENV', json.dumps({k: os.environ.get(k) for k in "
                "('JAXFT_PROCESS_ID', 'JAXFT_NUM_PROCESSES', 'JAXFT_LOCAL_DEVICE_IDS', 'JAXFT_COORDINATOR_ADDRESS', "
-               "'JAXFT_GLOO_INTERFACE')}), flush=True)")
+               "'JAXFT_GLOO_INTERFACE', 'JAX_PLATFORMS')}), flush=True)")
 
 
 def _fake_gpus(tmp_path: Path, count: int) -> dict[str, str]:
@@ -30,6 +30,7 @@ def _fake_gpus(tmp_path: Path, count: int) -> dict[str, str]:
     script.chmod(0o755)
     env = clean_env()
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    del env["JAX_PLATFORMS"]  # as on a GPU node: JAX_PLATFORMS=cpu would make CPU workers
     return env
 
 
@@ -39,11 +40,13 @@ def _envs(stdout: str) -> list[dict]:
 
 
 def test_one_worker_per_gpu_by_default(tmp_path):
-    r = run_jaxft("launch", "--console", "raw", "--", PYTHON, "-c", ENV_PRINTER, env=_fake_gpus(tmp_path, 3), timeout=60)
+    env = _fake_gpus(tmp_path, 3)
+    r = run_jaxft("launch", "--console", "raw", "--", PYTHON, "-c", ENV_PRINTER, env=env, timeout=60)
     assert r.returncode == 0, r.describe()
     envs = _envs(r.stdout)
     assert [(e["JAXFT_PROCESS_ID"], e["JAXFT_LOCAL_DEVICE_IDS"]) for e in envs] == [("0", "0"), ("1", "1"), ("2", "2")]
     assert {e["JAXFT_NUM_PROCESSES"] for e in envs} == {"3"}
+    assert {e["JAX_PLATFORMS"] for e in envs} == {None}
 
 
 def test_more_workers_than_gpus_is_an_error(tmp_path):
@@ -53,7 +56,13 @@ def test_more_workers_than_gpus_is_an_error(tmp_path):
     assert "-n 3 workers but this node has 2 GPU(s) (0,1)" in r.stderr and "--gpus none" in r.stderr, r.describe()
     r = run_jaxft("launch", "-n", "3", "--gpus", "none", "--console", "raw", "--", PYTHON, "-c", ENV_PRINTER, env=env, timeout=60)
     assert r.returncode == 0, r.describe()
-    assert [e["JAXFT_LOCAL_DEVICE_IDS"] for e in _envs(r.stdout)] == [None, None, None]
+    # CPU workers: on a GPU node jax would otherwise put each of them on the default GPU.
+    assert [(e["JAXFT_LOCAL_DEVICE_IDS"], e["JAX_PLATFORMS"]) for e in _envs(r.stdout)] == [(None, "cpu")] * 3
+    # JAX_PLATFORMS=cpu (as the test suite sets it) means CPU workers too, GPUs or not.
+    env["JAX_PLATFORMS"] = "cpu"
+    r = run_jaxft("launch", "-n", "3", "--console", "raw", "--", PYTHON, "-c", ENV_PRINTER, env=env, timeout=60)
+    assert r.returncode == 0, r.describe()
+    assert [(e["JAXFT_LOCAL_DEVICE_IDS"], e["JAX_PLATFORMS"]) for e in _envs(r.stdout)] == [(None, "cpu")] * 3
 
 
 def test_agent_numbers_its_workers_globally(tmp_path):
