@@ -188,11 +188,13 @@ def batch_specs(template: PyTree, mesh, axis_name: str = "data", micro_batch: in
 
 def shard_batch(batch: PyTree, mesh, axis_name: str = "data",
                 micro_batch: int | None = None, flat: bool = False,
-                chunk: int | None = None) -> tuple[PyTree, jax.Array]:
+                chunk: int | None = None, mask: jax.Array | None = None) -> tuple[PyTree, jax.Array]:
     """Place a global batch ``[G, ...]`` on ``mesh`` as ``[M, D*m, ...]`` plus its mask
     (``flat``: as ``[D*m, ...]``, one micro-batch; ``chunk``: :meth:`Layout.chunked`).
 
     Every process passes the same global batch; each only materialises its own slices.
+    The mask depends on the layout alone: pass the one an earlier call returned for the
+    same ``mesh`` and arguments as ``mask`` to reuse it instead of placing it again.
     """
     layout, sharding = _placement(np.shape(jax.tree_util.tree_leaves(batch)[0])[0], mesh, axis_name, micro_batch,
                                   flat, chunk)
@@ -203,4 +205,4 @@ def shard_batch(batch: PyTree, mesh, axis_name: str = "data",
         return jax.make_array_from_callback(arranged.shape, sharding, lambda idx: arranged[idx])
 
     placed = jax.tree_util.tree_map(lambda x: place(layout.arrange(np.asarray(x))), batch)
-    return placed, place(layout.mask())
+    return placed, place(layout.mask()) if mask is None else mask

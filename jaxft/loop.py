@@ -164,6 +164,24 @@ def canonical(tree: PyTree) -> PyTree:
     return jax.tree_util.tree_map(one, tree)
 
 
+def host_copies(tree: PyTree, start: bool = True) -> PyTree:
+    """This process's copy of each array leaf of a replicated ``tree``, with ``start`` its
+    copy to host memory started (``copy_to_host_async``), so that reading it once the
+    program is done waits for no transfer. Called right after the step's program is
+    dispatched: on a GPU a scalar read after the program cost ~0.5 ms each (measured on an
+    H200, jax 0.11.2); started early, the copies overlap the program. On CPU the arrays are
+    in host memory already (starting copies there cost ~0.06 ms a step, for nothing)."""
+    def one(x):
+        if not isinstance(x, jax.Array):
+            return x
+        x = x.addressable_data(0) if not x.is_fully_addressable else x
+        if start:
+            x.copy_to_host_async()
+        return x
+
+    return jax.tree_util.tree_map(one, tree)
+
+
 def _scalars(metrics: Any) -> dict[str, float]:
     if not isinstance(metrics, dict):
         metrics = {"loss": metrics} if metrics is not None else {}
@@ -262,6 +280,7 @@ class ElasticLoop:
         self._leaks_logged = 0
         self._batch_template: PyTree | None = None  # shapes and dtypes of a host global batch
         self._votes: tuple | None = None  # ((device ids, vote bytes), global votes array): see _votes_on
+        self._mask: tuple | None = None  # ((device ids, global batch), the placed batch mask): see _batch
 
     @property
     def global_batch(self) -> int:
@@ -303,7 +322,7 @@ class ElasticLoop:
 
     def _state_to_host(self) -> None:
         self._global = None
-        self._votes = None  # (an array of the backend a rebuild replaces)
+        self._votes = self._mask = None  # (arrays of the backend a rebuild replaces)
         self.state = to_host(self.state)
 
     def restore(self, step: int, state: PyTree) -> None:
@@ -486,7 +505,12 @@ class ElasticLoop:
         host = step_batch(self.data, step, m.mesh, micro, self.chunk)
         if self._batch_template is None:
             self._batch_template = _shapes(host)
-        return shard_batch(host, m.mesh, self.group.axis_name, micro, flat=not self.stacked, chunk=self.chunk)
+        key = (tuple(d.id for d in m.devices), self.global_batch)
+        mask = self._mask[1] if self._mask is not None and self._mask[0] == key else None
+        placed, mask = shard_batch(host, m.mesh, self.group.axis_name, micro, flat=not self.stacked, chunk=self.chunk,
+                                   mask=mask)
+        self._mask = (key, mask)  # the same every step on these devices (placing it cost ~0.1 ms a step)
+        return placed, mask
 
     # -- the loop -----------------------------------------------------------------------
     def run(self, num_steps: int, before_attempt: Callable[[], None] | None = None) -> PyTree:
@@ -559,20 +583,24 @@ class ElasticLoop:
                 if self.group.admission == "ready":  # admission votes ride in the step's own program
                     args += (self._votes_input(m),)
 
+                on_cpu = m.devices[0].platform == "cpu"
+
                 def program(step=step, fn=fn, args=args, mesh=m.mesh):
                     self.faults.point("in-step", step)
                     if self._runner.left():  # (left during the fault point's hang)
                         return None
-                    return jax.block_until_ready(self._call(mesh, fn, args))
+                    outputs = self._call(mesh, fn, args)
+                    host = host_copies(outputs[1:], start=not on_cpu)  # metrics (and votes): to host memory
+                    return jax.block_until_ready(outputs[0]), jax.block_until_ready(host)
 
                 t_program = time.monotonic()
-                outputs = self._runner.run(program)  # in a thread it can be left in (jaxft.runner)
+                new_global, host = self._runner.run(program)  # in a thread it can be left in (jaxft.runner)
                 t_program = time.monotonic() - t_program
                 if self.group.admission == "ready":
-                    new_global, metrics, agreed = outputs
-                    agreed = np.asarray(agreed.addressable_data(0))
+                    metrics, agreed = host
+                    agreed = np.asarray(agreed)
                 else:
-                    new_global, metrics = outputs
+                    (metrics,) = host
                 self.faults.point("after-grad", step)
                 new_state = local_copy(new_global)
                 if self.check_every and (step + 1) % self.check_every == 0:
