@@ -280,7 +280,7 @@ class ElasticLoop:
         self._leaks_logged = 0
         self._batch_template: PyTree | None = None  # shapes and dtypes of a host global batch
         self._votes: tuple | None = None  # ((device ids, vote bytes), global votes array): see _votes_on
-        self._mask: tuple | None = None  # ((device ids, global batch), the placed batch mask): see _batch
+        self._mask: tuple | None = None  # (mesh, global batch, the placed batch mask): see _batch
 
     @property
     def global_batch(self) -> int:
@@ -330,6 +330,7 @@ class ElasticLoop:
         self.step, self.state, self._global = int(step), canonical(state), None
 
     def _after_reset(self) -> None:
+        self._mask = None
         self._compiled.clear()
         self.executables.reset()
 
@@ -505,11 +506,12 @@ class ElasticLoop:
         host = step_batch(self.data, step, m.mesh, micro, self.chunk)
         if self._batch_template is None:
             self._batch_template = _shapes(host)
-        key = (tuple(d.id for d in m.devices), self.global_batch)
-        mask = self._mask[1] if self._mask is not None and self._mask[0] == key else None
+        # The mask is the same every step on one mesh (placing it cost ~0.1 ms a step). Keyed by
+        # the mesh object, not device ids: a backend rebuild brings new devices with the same ids.
+        reuse = self._mask is not None and self._mask[0] is m.mesh and self._mask[1] == self.global_batch
         placed, mask = shard_batch(host, m.mesh, self.group.axis_name, micro, flat=not self.stacked, chunk=self.chunk,
-                                   mask=mask)
-        self._mask = (key, mask)  # the same every step on these devices (placing it cost ~0.1 ms a step)
+                                   mask=self._mask[2] if reuse else None)
+        self._mask = (m.mesh, self.global_batch, mask)
         return placed, mask
 
     # -- the loop -----------------------------------------------------------------------
