@@ -12,9 +12,11 @@
 # 2. a jitted step on the GPU;
 # 3. a single-process ElasticTrainer run (the mlp workload, 20 steps);
 # 4. `jaxft launch` with the default GPU assignment (one worker per local GPU), the same run;
-# 5. tests/test_private_api.py on this jax (the borrowed jaxlib internals; CPU, as in CI);
-# 6. `jaxft launch -n 2 --gpus none` on this GPU node: CPU workers, the same run;
-# 7. figures: the elastic step's per-step overhead over a plain loop, one GPU process
+# 5. the same under `jaxft launch --restart on-failure` with Orbax checkpoints every 5 steps,
+#    the worker SIGKILLed at step 12: restarted, restored, finished (params compared with 4's);
+# 6. tests/test_private_api.py on this jax (the borrowed jaxlib internals; CPU, as in CI);
+# 7. `jaxft launch -n 2 --gpus none` on this GPU node: CPU workers, the same run;
+# 8. figures: the elastic step's per-step overhead over a plain loop, one GPU process
 #    (a ~20 ms step and a small one), and two CPU processes as `jaxft bench overhead -n 2`
 #    runs in the issue tracker's figures.
 # Each part prints PASS/FAIL; the script exits non-zero if any failed. Output also goes to
@@ -98,6 +100,17 @@ part "jaxft launch, default GPU assignment (one worker per GPU)"
 timeout 240 "$python" -m jaxft.cli launch --console raw --run-dir "$runs/gpu" -- "$python" -m jaxft.bench.mlp --steps 20
 result $? "jaxft launch with --gpus auto"
 final "$runs/gpu"
+
+part "jaxft launch: the GPU worker killed at step 12, restarted, resumed from its Orbax checkpoint"
+timeout 240 "$python" -m jaxft.cli launch --console raw --restart on-failure --run-dir "$runs/gpu-ckpt" \
+    --fault kill:process=0:step=12 -- "$python" -m jaxft.bench.mlp --steps 20 --checkpoint_every 5
+result $? "kill, restart and restore on the GPU"
+grep -h '"restored"\|"checkpoint_restored"\|"restore' "$runs/gpu-ckpt/events.jsonl" | head -3 || true
+final "$runs/gpu-ckpt"
+a=$(grep -h '"final"' "$runs/gpu/events.jsonl" 2>/dev/null | grep -o '"params_sha256": "[0-9a-f]*"' | head -1)
+b=$(grep -h '"final"' "$runs/gpu-ckpt/events.jsonl" 2>/dev/null | grep -o '"params_sha256": "[0-9a-f]*"' | head -1)
+if [ -n "$a" ] && [ "$a" = "$b" ]; then echo "final params bitwise equal to the fault-free GPU run's"
+else echo "final params differ from the fault-free GPU run's ($a vs $b)"; fi
 
 part "private jaxlib API on this jax (tests/test_private_api.py, CPU)"
 JAX_PLATFORMS=cpu timeout 240 "$python" -m pytest -q -p no:cacheprovider tests/test_private_api.py
