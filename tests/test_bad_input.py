@@ -124,3 +124,24 @@ def test_initialize_arguments():
     for name, needle in expected.items():
         assert out[name] is not None and needle in out[name], (name, out[name])
         assert "\n" not in out[name], (name, out[name])
+
+
+def test_an_unsupported_orbax_is_refused_before_any_save():
+    """A checkout run without installing gets no resolver's check: orbax-checkpoint 0.12.4 (a
+    GPU machine's image) saved but failed every restore. The adapter refuses it on import, with
+    the bound pyproject.toml declares."""
+    import re
+    from pathlib import Path
+
+    from jaxft.checkpoint import orbax
+    from jaxft.errors import CheckpointError
+
+    for found in ("0.12.4", "0.13.0", "0.11.9"):
+        with pytest.raises(CheckpointError, match=rf"orbax-checkpoint>=0\.12\.8,<0\.13, found {re.escape(found)}"):
+            orbax.check_orbax_version(found)
+    for found in ("0.12.8", "0.12.10"):
+        orbax.check_orbax_version(found)
+    orbax.check_orbax_version(orbax._installed_orbax())  # (the one this suite runs on)
+    pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    low, high = (".".join(map(str, v)) for v in orbax.SUPPORTED_ORBAX)
+    assert f'"orbax-checkpoint>={low},<{high}"' in pyproject, "SUPPORTED_ORBAX and pyproject.toml disagree"

@@ -82,8 +82,41 @@ import threading
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
-import orbax.checkpoint as ocp
-from orbax.checkpoint.multihost import process_index
+
+from jaxft.errors import CheckpointError
+
+# The orbax-checkpoint releases this adapter is written and tested against (pyproject.toml's
+# bound). Checked here, before any save: a checkout run without installing (PYTHONPATH) gets
+# no resolver's check, and orbax-checkpoint 0.12.4 (seen on a GPU machine's image) saved
+# fine but failed every restore (NumpyHandler has no ``deepcopy_host_arrays`` there).
+SUPPORTED_ORBAX = ((0, 12, 8), (0, 13))  # >= first, < second
+
+
+def check_orbax_version(found: str) -> None:
+    """Raise :class:`~jaxft.errors.CheckpointError` unless ``found`` is in :data:`SUPPORTED_ORBAX`."""
+    low, high = SUPPORTED_ORBAX
+    parts = tuple(int(x) for x in re.findall(r"\d+", found)[:3])
+    if not low <= parts < high:
+        need = f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
+        raise CheckpointError(f"jaxft's checkpoints need orbax-checkpoint{need}, found {found}: "
+                              f"pip install 'orbax-checkpoint{need}'")
+
+
+def _installed_orbax() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("orbax-checkpoint")
+    except PackageNotFoundError:  # imported from a source tree: ask the module
+        import orbax.checkpoint
+
+        return getattr(orbax.checkpoint, "__version__", "0")
+
+
+check_orbax_version(_installed_orbax())
+
+import orbax.checkpoint as ocp  # noqa: E402 - after the version check
+from orbax.checkpoint.multihost import process_index  # noqa: E402
 # Private (see the module docstring, items 1-3).
 from orbax.checkpoint._src.futures import future as _ocp_future
 from orbax.checkpoint._src.multihost import multihost as _ocp_multihost
