@@ -97,6 +97,11 @@ class CheckpointDirectoryError(CheckpointError, ConfigError):
     """The checkpoint directory cannot be used (a regular file, not creatable, ...)."""
 
 
+class UnsupportedOrbax(CheckpointError, ConfigError):
+    """The installed orbax-checkpoint is outside the releases jaxft's Orbax adapter supports
+    (raised on its import, before any save; a worker stops with one line, not restarted)."""
+
+
 class CheckpointMismatch(CheckpointError, ConfigError):
     """An intact checkpoint of a different model (other tree structure, shapes or dtypes)."""
 

@@ -134,10 +134,11 @@ def test_an_unsupported_orbax_is_refused_before_any_save():
     from pathlib import Path
 
     from jaxft.checkpoint import orbax
-    from jaxft.errors import CheckpointError
+    from jaxft.errors import ConfigError, UnsupportedOrbax
 
+    assert issubclass(UnsupportedOrbax, ConfigError)  # a worker stops on it (exit 78), not restarted
     for found in ("0.12.4", "0.13.0", "0.11.9"):
-        with pytest.raises(CheckpointError, match=rf"orbax-checkpoint>=0\.12\.8,<0\.13, found {re.escape(found)}"):
+        with pytest.raises(UnsupportedOrbax, match=rf"orbax-checkpoint>=0\.12\.8,<0\.13, found {re.escape(found)}"):
             orbax.check_orbax_version(found)
     for found in ("0.12.8", "0.12.10"):
         orbax.check_orbax_version(found)

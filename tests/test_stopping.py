@@ -119,6 +119,19 @@ def test_configuration_error_is_not_retried(tmp_path):
     assert {e["code"] for e in s["exits"]} == {78}, s
 
 
+def test_an_unsupported_orbax_stops_the_worker_before_it_trains(tmp_path):
+    # (orbax-checkpoint 0.12.4, on a GPU machine's image, saved fine and failed every restore)
+    code = ("import importlib.metadata as md\nreal = md.version\n"
+            "md.version = lambda name: '0.12.4' if name == 'orbax-checkpoint' else real(name)\n"
+            "import jaxft\njaxft.initialize()\njaxft.ElasticCheckpointer\n")
+    r = launch(1, _sh(code), "--restart", "on-failure", run_dir=tmp_path / "run", timeout=60)
+    assert r.returncode == 1, r.describe()
+    assert "Traceback" not in r.stdout + r.stderr, r.describe()
+    assert ("jaxft: configuration error (UnsupportedOrbax): jaxft's checkpoints need "
+            "orbax-checkpoint>=0.12.8,<0.13, found 0.12.4") in r.stdout, r.describe()
+    assert summary(tmp_path / "run")["restarts"] == {"0": 0}
+
+
 def test_sigkilled_launchers_fault_markers_are_cleaned_up(tmp_path, marker):
     args = [*JAXFT, "launch", "-n", "1", "--", PYTHON, "-c", "import time; time.sleep(60)", marker]
     with started(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as proc:

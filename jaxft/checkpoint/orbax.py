@@ -83,7 +83,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from jaxft.errors import CheckpointError
+from jaxft.errors import UnsupportedOrbax
 
 # The orbax-checkpoint releases this adapter is written and tested against (pyproject.toml's
 # bound). Checked here, before any save: a checkout run without installing (PYTHONPATH) gets
@@ -93,12 +93,12 @@ SUPPORTED_ORBAX = ((0, 12, 8), (0, 13))  # >= first, < second
 
 
 def check_orbax_version(found: str) -> None:
-    """Raise :class:`~jaxft.errors.CheckpointError` unless ``found`` is in :data:`SUPPORTED_ORBAX`."""
+    """Raise :class:`~jaxft.errors.UnsupportedOrbax` unless ``found`` is in :data:`SUPPORTED_ORBAX`."""
     low, high = SUPPORTED_ORBAX
     parts = tuple(int(x) for x in re.findall(r"\d+", found)[:3])
     if not low <= parts < high:
         need = f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
-        raise CheckpointError(f"jaxft's checkpoints need orbax-checkpoint{need}, found {found}: "
+        raise UnsupportedOrbax(f"jaxft's checkpoints need orbax-checkpoint{need}, found {found}: "
                               f"pip install 'orbax-checkpoint{need}'")
 
 
