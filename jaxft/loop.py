@@ -117,6 +117,11 @@ class _Skip(Exception):
     """Leave a step without committing (all members agree on why)."""
 
 
+class _Reached(Exception):
+    """Leave a step without running it: entering it restored the run's last step (a restore
+    put off to a cold start, :meth:`jaxft.ElasticGroup.on_cold_start`), so nothing is left to train."""
+
+
 @dataclasses.dataclass
 class StepRecord:
     """What one commit produced (passed to ``on_commit``)."""
@@ -568,6 +573,8 @@ class ElasticLoop:
         self.faults.point("before-step", step)
         try:
             with self.group.step() as m:
+                if self.group.target is not None and self.step >= self.group.target:
+                    raise _Reached  # (trained on, it would commit a step past the run's end)
                 self.faults.at_width(len(m.process_ids))
                 if len(m.process_ids) < self.min_members:  # every member sees the same m: all skip
                     self._too_few = m.process_ids
@@ -622,6 +629,8 @@ class ElasticLoop:
             logger.error("process %d left step %d's program, but no member failed; exiting to rejoin",
                          self.group.process_id, step)
             os._exit(EXIT_HUNG)
+        except _Reached:
+            return None
         except _Skip:
             self.events.log("step_waiting", step=step, members=list(self._too_few), min_members=self.min_members)
             if agreed is not None:  # every member left this step alive: all admit the same joiners

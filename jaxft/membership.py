@@ -408,6 +408,9 @@ class ElasticGroup:
                 # heartbeat + 1.5 s after a death): a record counts only against a later one
                 self._deaths.assume_alive_since(pids, alive_at - 1.0)
                 if cold:
+                    if self.run_finished():  # the members finished while this process set up: a cold
+                        # start would train the run again from its checkpoint, alone
+                        _hard_exit(0, f"jaxft: the run finished before process {self.process_id} joined it; exiting 0")
                     hooks, self._on_cold_start = self._on_cold_start, []
                     with self.hang.busy():  # (a restore may take a while; nobody waits for it yet)
                         for hook in hooks:

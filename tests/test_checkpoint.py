@@ -197,6 +197,27 @@ def test_a_restart_whose_peer_trains_on_puts_off_its_restore_and_is_rehydrated(t
     print(f"\nrestart of process 1: restore put off, rehydrated at step {rehydrated['step']}")
 
 
+def test_a_restart_whose_peers_finished_meanwhile_exits_without_training(tmp_path):
+    """The restart of process 1 puts off its restore (process 0 trains on) and starts its run
+    while process 0 is in its last step (held there by a hang); process 0 then finishes. The
+    restart must not train alone: it exits 0 having committed nothing. (Here it learns of the
+    finish while it waits to be admitted. In the soak's seed 3, session 17, a restart looked
+    for the finish just before it was marked and found the members gone a moment later: its
+    cold start restored the run's last checkpoint and trained past the run's end, a final at
+    step 101 of 100. A cold start now looks again (ElasticGroup._entry_query), and a step
+    whose entry restored the run's last step is not run (ElasticLoop.try_step); that race has
+    no fault point to make it happen here.)"""
+    steps = 12
+    proc, ev = launch(tmp_path / "run", "--steps", str(steps), "--checkpoint_every", str(EVERY),
+                      "--checkpoint_dir", str(tmp_path / "ckpt"),
+                      faults=["kill:process=1:step=8", f"hang:process=0:step={steps - 1}:phase=after-commit:for=8s"])
+    assert proc.returncode == 0, _tail(proc)
+    assert helpers.by_event(ev, "restore_deferred", process=1, incarnation=1), _tail(proc)
+    assert helpers.too_late_to_rejoin(ev, 1), _tail(proc)
+    assert not helpers.by_event(ev, "restored", process=1), _tail(proc)
+    assert [e["step"] for e in helpers.by_event(ev, "final")] == [steps], _tail(proc)
+
+
 @pytest.mark.soak  # ~50 s: the default suite stays under its time budget
 def test_a_put_off_restore_runs_when_every_member_died_meanwhile(tmp_path, reference):
     """The restart of process 1 puts off its restore (process 0 trains on) and stays in its
