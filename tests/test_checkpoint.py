@@ -218,6 +218,28 @@ def test_a_restart_whose_peers_finished_meanwhile_exits_without_training(tmp_pat
     assert [e["step"] for e in helpers.by_event(ev, "final")] == [steps], _tail(proc)
 
 
+def test_a_cold_start_that_restores_the_runs_last_step_trains_no_further(tmp_path):
+    """What ``ElasticCheckpointer``'s put-off restore does at a cold start, with a hook of its
+    own: the first step's entry restores the state of step 5 of a 5-step run. Nothing is left
+    to train: the run ends there (before, the step ran and the final said step 6)."""
+    code = """
+import numpy as np, optax, jaxft
+from jaxft.bench import mlp
+rt = jaxft.initialize()
+data = jaxft.GlobalBatches(mlp.make_dataset(256), 32, seed=0)
+params = mlp.init_params(0, 16, 8)
+trainer = jaxft.ElasticTrainer(mlp.loss_fn, optax.sgd(0.1), params, data, runtime=rt)
+later = {"params": params, "opt_state": optax.sgd(0.1).init(params)}
+trainer.loop.group.on_cold_start(lambda: trainer.loop.restore(5, later))
+trainer.run(5)  # (logs the final event)
+"""
+    r = helpers.launch(1, [helpers.PYTHON, "-c", code], run_dir=tmp_path / "run", timeout=120)
+    assert r.returncode == 0, r.describe()
+    ev = helpers.events(tmp_path / "run")
+    assert not helpers.by_event(ev, "commit"), r.describe()
+    assert [e["step"] for e in helpers.by_event(ev, "final")] == [5], r.describe()
+
+
 @pytest.mark.soak  # ~50 s: the default suite stays under its time budget
 def test_a_put_off_restore_runs_when_every_member_died_meanwhile(tmp_path, reference):
     """The restart of process 1 puts off its restore (process 0 trains on) and stays in its
