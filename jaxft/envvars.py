@@ -4,6 +4,8 @@ One place for the contract between :mod:`jaxft.launcher` (writer) and
 :mod:`jaxft.runtime`, :mod:`jaxft.faults`, :mod:`jaxft.events` (readers).
 """
 
+from typing import Mapping
+
 COORDINATOR = "JAXFT_COORDINATOR_ADDRESS"  # host:port of the coordination service
 EXTERNAL_COORDINATOR = "JAXFT_EXTERNAL_COORDINATOR"  # "1": no worker hosts the service
 PROCESS_ID = "JAXFT_PROCESS_ID"
@@ -24,3 +26,9 @@ TIMEOUTS = "JAXFT_TIMEOUTS"  # "name=seconds,..." (see jaxft.timeouts.Timeouts)
 GLOO_INTERFACE = "JAXFT_GLOO_INTERFACE"  # network interface CPU collectives (gloo) use, e.g. "eth0"
 GLOO_HOSTNAME = "JAXFT_GLOO_HOSTNAME"  # or the hostname/address gloo advertises
 CHECKPOINT_ON_STOP = "JAXFT_CHECKPOINT_ON_STOP"  # "1": on SIGTERM, agree on a step, save, then exit
+
+
+def peers_may_run(environ: Mapping[str, str]) -> bool | None:
+    """The launcher's word on a restart (:data:`PEERS_RUNNING`): a member may run on (True),
+    none does (False), or nothing said (None: a first life, or no jaxft launch)."""
+    return {"1": True, "0": False}.get(environ.get(PEERS_RUNNING, ""))

@@ -188,14 +188,10 @@ def host_copies(tree: PyTree, start: bool = True) -> PyTree:
 
 
 def _scalars(metrics: Any) -> dict[str, float]:
+    """``metrics`` (as :func:`host_copies` returns them: this process's arrays) as floats."""
     if not isinstance(metrics, dict):
         metrics = {"loss": metrics} if metrics is not None else {}
-    out = {}
-    for k, v in metrics.items():
-        if isinstance(v, jax.Array) and not v.is_fully_addressable:
-            v = v.addressable_data(0)
-        out[str(k)] = float(np.asarray(v))
-    return out
+    return {str(k): float(np.asarray(v)) for k, v in metrics.items()}
 
 
 class ElasticLoop:
@@ -335,7 +331,6 @@ class ElasticLoop:
         self.step, self.state, self._global = int(step), canonical(state), None
 
     def _after_reset(self) -> None:
-        self._mask = None
         self._compiled.clear()
         self.executables.reset()
 
@@ -592,7 +587,7 @@ class ElasticLoop:
                 if self.group.admission == "ready":  # admission votes ride in the step's own program
                     args += (self._votes_input(m),)
 
-                on_cpu = m.devices[0].platform == "cpu"
+                on_cpu = self.group.platform == "cpu"
 
                 def program(step=step, fn=fn, args=args, mesh=m.mesh):
                     self.faults.point("in-step", step)

@@ -155,7 +155,7 @@ class ElasticGroup:
         self._on_cold_start: list[Callable[[], None]] = []
         # jaxft launch's word on a restart: a member may run on (True), none does (False: every
         # local worker died in the same failure, one node), or nothing said (None)
-        self.peers_may_run: bool | None = {"1": True, "0": False}.get(os.environ.get(envvars.PEERS_RUNNING, ""))
+        self.peers_may_run: bool | None = envvars.peers_may_run(os.environ)
         self._nobody_runs = self.peers_may_run is False  # (consumed by the first step's _join)
         self._watchdog: _Watchdog | None = None
         self._old_backends: list[tuple[weakref.ref, float]] = []  # (a client a rebuild replaced, when)

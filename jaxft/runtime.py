@@ -217,7 +217,7 @@ def initialize(coordinator_address: str | None = None,
     if gloo_interface is not None or gloo_hostname is not None:
         _compat.use_gloo_address(interface=gloo_interface, hostname=gloo_hostname)
     waited = 0.0
-    if wait_until_forgotten and environ.get(envvars.PEERS_RUNNING) != "0":  # "0": no member to hold up
+    if wait_until_forgotten and envvars.peers_may_run(environ) is not False:  # False: no member to hold up
         waited = _wait_until_forgotten(environ.get(envvars.DIED_AT), heartbeat_timeout, process_id)
     guard = _compat.no_service_start() if external_coordinator else contextlib.nullcontext()
     try:
