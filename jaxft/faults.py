@@ -233,6 +233,17 @@ class FaultInjector:
         return cls(parse_rules(environ.get(envvars.FAULTS)), process_id,
                    environ.get(envvars.FAULT_STATE_DIR), on_fire)
 
+    def quiet_at(self, step: int) -> bool:
+        """Whether no rule of this process can fire at ``step`` (at any phase): a step that
+        jaxft runs differently (started early, :class:`jaxft.ElasticLoop`'s ``pipeline``)
+        then keeps every fault point where the rules expect it."""
+        for rule in self.rules:
+            if rule.step is None or (step != rule.step if rule.width is None else step < rule.step):
+                continue
+            if self.state_dir is None or not os.path.exists(os.path.join(self.state_dir, rule.marker(self.process_id))):
+                return False  # (a rule that fired in this process never fires again)
+        return True
+
     def point(self, phase: str, step: int) -> None:
         """Fire every rule that matches ``(phase, step)`` and has not fired yet."""
         if phase not in PHASES:

@@ -46,7 +46,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxft import executables as executables_lib
-from jaxft import admission as admission_lib, rejoin, runner as runner_lib, stopping, transfer, warmup
+from jaxft import admission as admission_lib, breaker, rejoin, runner as runner_lib, stopping, transfer, warmup
 from jaxft.data import batch_specs, shard_batch, step_batch
 from jaxft.errors import ConsistencyError, RetryBudgetExceeded, StepFailed, TooFewMembers
 from jaxft.events import EventLog
@@ -120,6 +120,17 @@ class _Skip(Exception):
 class _Reached(Exception):
     """Leave a step without running it: entering it restored the run's last step (a restore
     put off to a cold start, :meth:`jaxft.ElasticGroup.on_cold_start`), so nothing is left to train."""
+
+
+@dataclasses.dataclass
+class _Ahead:
+    """A step's program started before the step ahead of it committed (``pipeline``)."""
+
+    step: int  # the step it runs
+    worker: Any  # its call in the StepRunner
+    mesh: Mesh
+    inputs: PyTree  # the global state it started from: the previous step's output
+    result: tuple | None = None  # ("done", outputs) or ("error", exception), once collected
 
 
 @dataclasses.dataclass
@@ -229,6 +240,16 @@ class ElasticLoop:
         at most this many members (0: never), so that survivors of a failure load the
         executable from the persistent compilation cache instead of compiling it
         (:mod:`jaxft.warmup`).
+      pipeline: start step ``k+1``'s program as soon as step ``k``'s has ended, before step
+        ``k``'s commit query, so that the query (one coordination-service round trip) and
+        the commit's bookkeeping run while the devices compute. Nothing changes in what
+        commits: if step ``k`` does not commit, the early program is left (and on CPU the
+        data plane broken, so it ends at once) and step ``k`` is retried as without it.
+        Only in steady state (the run's end known: :meth:`run`; nobody joining; no stop
+        requested; no fault rule of this process at step ``k+1``); ``on_commit`` runs once
+        the early program ended (so a hook may run programs of its own), and a caller of
+        :meth:`try_step` that runs other programs on the run's devices between steps calls
+        :meth:`settle` first.
     """
 
     def __init__(self, step_fn: StepFn | None, state: PyTree, data, *, runtime=None,
@@ -237,7 +258,7 @@ class ElasticLoop:
                  stacked: bool = False, check_every: int = 0, group: ElasticGroup | None = None,
                  on_commit: Callable[[Any, StepRecord], None] | None = None, step: int = 0,
                  min_members: int = 1, max_attempts: int | None = 100, chunk: int | None = None,
-                 precompile: int = 0, step_takes_votes: bool = False):
+                 precompile: int = 0, step_takes_votes: bool = False, pipeline: bool = False):
         if (step_fn is None) == (make_step is None):
             raise ValueError("pass exactly one of step_fn and make_step")
         if min_members < 1:
@@ -282,6 +303,10 @@ class ElasticLoop:
         self._batch_template: PyTree | None = None  # shapes and dtypes of a host global batch
         self._votes: tuple | None = None  # ((device ids, vote bytes), global votes array): see _votes_on
         self._mask: tuple | None = None  # (mesh, global batch, the placed batch mask): see _batch
+        self.pipeline = pipeline
+        self._ahead: _Ahead | None = None  # the next step's program, started early (pipeline)
+        self.started_early = 0  # committed steps whose program started before the last commit
+        self.left_early = 0  # programs started early and left: the step before them failed
 
     @property
     def global_batch(self) -> int:
@@ -302,6 +327,7 @@ class ElasticLoop:
     def _drain_programs(self) -> None:
         """Before a backend rebuild: wait for step programs this process left (an abandoned
         one ends when gloo's collective timeout fires); exit to rejoin past that bound."""
+        self._settle(drop=True)  # (a step started ahead: only defensively, the members did not change)
         bound = self.group.timeouts.collective + 2.0
         if not self._runner.drain(bound):
             logger.error("process %d: a step program it left is still running after %.0f s; exiting to rejoin",
@@ -488,12 +514,105 @@ class ElasticLoop:
         return np.asarray(out.addressable_data(0))
 
     def _replicated(self, state: PyTree, m: Members) -> PyTree:
+        g = self._last_output(state, m)
+        return g if g is not None else replicate(state, m.mesh)
+
+    def _last_output(self, state: PyTree, m: Members) -> PyTree | None:
+        """The last step's replicated output if ``state`` is still its local copy on ``m``'s devices."""
         g = self._global
         leaves = jax.tree_util.tree_leaves(state)
         if (g is not None and g[0] == tuple(d.id for d in m.devices) and len(g[1]) == len(leaves)
                 and all(a is b for a, b in zip(g[1], leaves))):
             return g[2]
-        return replicate(state, m.mesh)
+        return None
+
+    # -- the next step's program, started early (pipeline) --------------------------------
+    def _job(self, step: int, fn: Callable, args: tuple, mesh: Mesh, fault_point: bool = True) -> Callable:
+        """What the step runner runs for one step: the program, then its outputs made ready."""
+        on_cpu = self.group.platform == "cpu"
+
+        def program():
+            if fault_point:
+                self.faults.point("in-step", step)
+            if self._runner.left():  # (left during the fault point's hang, or before it began)
+                return None
+            outputs = self._call(mesh, fn, args)
+            host = host_copies(outputs[1:], start=not on_cpu)  # metrics (and votes): to host memory
+            return jax.block_until_ready(outputs[0]), jax.block_until_ready(host)
+
+        return program
+
+    def _may_run_ahead(self, step: int, m: Members, agreed: np.ndarray | None) -> bool:
+        """Whether step ``step + 1`` may start before ``step`` commits (see ``pipeline``): the
+        members stay the same unless one fails (nobody joins, agreed in this step's votes)."""
+        target = self.group.target
+        return (self.pipeline and self.group.admission == "ready" and target is not None and step + 1 < target
+                and (agreed is None or not np.any(agreed)) and not stopping.requested()
+                and self.faults.quiet_at(step + 1))
+
+    def _start_ahead(self, step: int, m: Members, inputs: PyTree) -> None:
+        """Start step ``step``'s program on this step's output (see ``pipeline``). A failure
+        to build its arguments (the data source's, say) is left to the step itself."""
+        try:
+            fn = self._fn(m)
+            batch, mask = self._batch(step, m)
+            args = (inputs, batch, mask, self._votes_input(m))
+        except Exception as e:  # noqa: BLE001 - raised again by the step, where it belongs
+            logger.debug("process %d: not starting step %d early: %s", self.group.process_id, step, e)
+            return
+        worker = self._runner.start(self._job(step, fn, args, m.mesh, fault_point=False))
+        self._ahead = _Ahead(step, worker, m.mesh, inputs)
+
+    def _collect(self, ahead: _Ahead) -> None:
+        """Wait for ``ahead``'s program to end; keep what it gave (or raised)."""
+        if ahead.result is None:
+            try:
+                ahead.result = ("done", self._runner.wait(ahead.worker))
+            except Exception as e:  # noqa: BLE001 - handed to the step that takes it over
+                ahead.result = ("error", e)
+
+    def _take_ahead(self, step: int, m: Members) -> tuple | None:
+        """The outputs of step ``step``'s program if it was started early on this very state
+        and members; otherwise the early program (if any) is waited for and dropped."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        self._collect(ahead)
+        usable = (ahead.step == step and ahead.mesh is m.mesh and not (m.reset or m.gained)
+                  and self._last_output(self.state, m) is ahead.inputs)
+        if not usable:
+            logger.debug("process %d: dropped step %d's early program", self.group.process_id, ahead.step)
+            return None
+        kind, value = ahead.result
+        if kind == "error":
+            raise value
+        return value
+
+    def settle(self) -> None:
+        """Wait for a step program started early (``pipeline``) to end, keeping its result for
+        the next :meth:`try_step`: afterwards nothing of this loop runs on the devices."""
+        if self._ahead is not None:
+            self._collect(self._ahead)
+
+    def _settle(self, drop: bool) -> None:
+        """:meth:`settle`; with ``drop``, also forget the early program's result."""
+        self.settle()
+        if drop:
+            self._ahead = None
+
+    def _leave_ahead(self, why: str) -> None:
+        """The step before the one started early did not commit: leave that program. On CPU
+        its collective may wait on a member that died, so this process's data plane (which
+        the retry rebuilds anyway) is broken to end it now rather than at gloo's timeout."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead.result is not None:
+            return
+        self.left_early += 1
+        if self._runner.abandon(why):
+            if self.group.needs_data_plane_reset and jax.process_count() > 1:
+                breaker.break_data_plane()
+        else:  # it had ended: collect it (the runner hands each call's result once)
+            self._collect(ahead)
 
     def _sync_state(self, m: Members) -> tuple[int, PyTree, rejoin.Rehydration | None]:
         """Agree on the step; rehydrate members behind the latest one from a donor (see jaxft.rejoin)."""
@@ -555,6 +674,7 @@ class ElasticLoop:
                 if self.max_attempts is not None and failures >= self.max_attempts and self.step == step:
                     raise RetryBudgetExceeded(f"step {step} failed {failures} times in a row "
                                               f"(max_attempts={self.max_attempts}); last: {self._last_failure}")
+        self._settle(drop=True)  # (none is started for the last step)
         self.group.finish(self.step)
         self._log_leaks()
         self.log_final()
@@ -568,6 +688,7 @@ class ElasticLoop:
         self.faults.point("before-step", step)
         try:
             with self.group.step() as m:
+                early = self._take_ahead(step, m)  # (before anything that may run a program)
                 if self.group.target is not None and self.step >= self.group.target:
                     raise _Reached  # (trained on, it would commit a step past the run's end)
                 self.faults.at_width(len(m.process_ids))
@@ -581,24 +702,18 @@ class ElasticLoop:
                     if self.group.joining:
                         self.faults.point("admitted", step)
                     step, state, rehydrated = self._sync_state(m)
-                fn = self._fn(m)
-                batch, mask = self._batch(step, m)
-                args = (self._replicated(state, m), batch, mask)
-                if self.group.admission == "ready":  # admission votes ride in the step's own program
-                    args += (self._votes_input(m),)
-
-                on_cpu = self.group.platform == "cpu"
-
-                def program(step=step, fn=fn, args=args, mesh=m.mesh):
-                    self.faults.point("in-step", step)
-                    if self._runner.left():  # (left during the fault point's hang)
-                        return None
-                    outputs = self._call(mesh, fn, args)
-                    host = host_copies(outputs[1:], start=not on_cpu)  # metrics (and votes): to host memory
-                    return jax.block_until_ready(outputs[0]), jax.block_until_ready(host)
-
                 t_program = time.monotonic()
-                new_global, host = self._runner.run(program)  # in a thread it can be left in (jaxft.runner)
+                if early is not None:  # started during the last commit (pipeline)
+                    new_global, host = early
+                    self.started_early += 1
+                else:
+                    fn = self._fn(m)
+                    batch, mask = self._batch(step, m)
+                    args = (self._replicated(state, m), batch, mask)
+                    if self.group.admission == "ready":  # admission votes ride in the step's own program
+                        args += (self._votes_input(m),)
+                    # in a thread it can be left in (jaxft.runner)
+                    new_global, host = self._runner.run(self._job(step, fn, args, m.mesh))
                 t_program = time.monotonic() - t_program
                 if self.group.admission == "ready":
                     metrics, agreed = host
@@ -606,13 +721,20 @@ class ElasticLoop:
                 else:
                     (metrics,) = host
                 self.faults.point("after-grad", step)
+                checking = bool(self.check_every) and (step + 1) % self.check_every == 0
+                ahead = self._may_run_ahead(step, m, agreed)
+                if ahead and not checking:  # the next step's program, as soon as this one's ended
+                    self._start_ahead(step + 1, m, new_global)
                 new_state = local_copy(new_global)
-                if self.check_every and (step + 1) % self.check_every == 0:
+                if checking:
                     bad = transfer.check_consistent(new_state, m.mesh)
                     if bad:
                         raise ConsistencyError(step + 1, bad)
+                    if ahead:  # (after the check: its collective must not run beside the step's)
+                        self._start_ahead(step + 1, m, new_global)
                 scalars = _scalars(metrics)
         except StepFailed as e:
+            self._leave_ahead(f"step {step} did not commit")
             self._last_failure = str(e)
             self.faults.at_width(None)
             self.events.log("step_failed", step=step, failed=list(e.failed),
@@ -631,6 +753,9 @@ class ElasticLoop:
             if agreed is not None:  # every member left this step alive: all admit the same joiners
                 self._admit(m, agreed, step)
             return None
+        except BaseException:  # (last: after the step's own exceptions)
+            self._leave_ahead(f"step {step} raised")
+            raise
         if rehydrated is not None:
             self.events.log("join", step=rehydrated.from_step, process=self.group.process_id)
             self.events.log("rehydrated", **dataclasses.asdict(rehydrated))
@@ -649,6 +774,7 @@ class ElasticLoop:
             self._admit(m, agreed, step + 1)
         self._warm_up(m)
         if self.on_commit is not None:
+            self.settle()  # (a hook may run programs of its own: none may run beside the step's)
             self.on_commit(self, record)
         self.faults.point("after-commit", step)
         return record
@@ -662,4 +788,6 @@ class ElasticLoop:
             tree = s["params"] if isinstance(s, dict) and "params" in s else getattr(s, "params", s)
         return self.events.log("final", step=self.step, params_sha256=transfer.tree_sha256(tree),
                                params_norm=transfer.tree_norm(tree), loss=self.last_loss,
-                               abandoned_programs=self._runner.abandoned_total)
+                               abandoned_programs=self._runner.abandoned_total,
+                               **({"started_early": self.started_early, "left_early": self.left_early}
+                                  if self.pipeline else {}))

@@ -85,13 +85,25 @@ class StepRunner:
     def run(self, job: Callable[[], Any]) -> Any:
         """``job()`` in the worker thread: its result, or its exception re-raised, or
         :class:`Abandoned` if :meth:`abandon` is called meanwhile."""
+        return self.wait(self.start(job))
+
+    def start(self, job: Callable[[], Any]) -> _Worker:
+        """Start ``job()`` in the worker thread and return at once; :meth:`wait` for it with
+        what this returns. One call at a time: each call needs its wait (the runner hands a
+        result once) before the next starts, unless it was abandoned."""
         with self._lock:
             if self._worker is None:
                 self._count += 1
                 self._worker = _Worker(f"jaxft-step-{self._count}", self._lock)
             w = self._worker
+            if w.state == "running" or w.job is not None:
+                raise RuntimeError("a step program is already running in this runner")
             w.job, w.state = job, "running"
         w.go.release()
+        return w
+
+    def wait(self, w: _Worker) -> Any:
+        """The result of the call :meth:`start` returned ``w`` for (see :meth:`run`)."""
         w.done.acquire()
         with self._lock:
             state, (kind, value) = w.state, w.result

@@ -38,6 +38,11 @@ def request() -> None:
     _requested.set()
 
 
+def requested() -> bool:
+    """Whether this process was asked to stop (SIGTERM), whether or not a step is agreed yet."""
+    return _requested.is_set()
+
+
 def stop_step(committed: int) -> int | None:
     """The agreed step to stop at, once a stop was requested (None otherwise).
 

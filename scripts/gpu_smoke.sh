@@ -21,7 +21,8 @@
 # 6. tests/test_private_api.py on this jax (the borrowed jaxlib internals; CPU, as in CI);
 # 7. `jaxft launch -n 2 --gpus none` on this GPU node: CPU workers, the same run;
 # 8. figures: the elastic step's per-step overhead over a plain loop, one GPU process
-#    (a ~20 ms step and a small one), and two CPU processes as `jaxft bench overhead -n 2`
+#    (a ~20 ms step and a small one; each also with `pipeline`, the commit query run while
+#    the next step's program computes), and two CPU processes as `jaxft bench overhead -n 2`
 #    runs in the issue tracker's figures (skipped with GPU_SMOKE_FIGURES=0).
 # Each part prints PASS/FAIL; the script exits non-zero if any failed. Output also goes to
 # $OUT/gpu_smoke.log and the run directories' events to $OUT/runs.tgz when OUT is set.
@@ -136,6 +137,8 @@ if [ "${GPU_SMOKE_FIGURES:-1}" = 1 ]; then  # GPU_SMOKE_FIGURES=0: checks only (
     part "figures: per-step overhead of the elastic step over a plain loop"
     overhead gpu-1proc-h4096-b4096 -- 100 4096 4096
     overhead gpu-1proc-h512-b512 -- 100 512 512
+    overhead gpu-1proc-h4096-b4096-pipeline -- 100 4096 4096 ready allreduce 1
+    overhead gpu-1proc-h512-b512-pipeline -- 100 512 512 ready allreduce 1
     overhead cpu-2proc-h512-b1536 -n 2 --gpus none -- 100 512 1536
 fi
 

@@ -324,3 +324,16 @@ def test_hang_and_new_phases_parse():
                         ("hang:process=1:step=3:for=-1s", "non-negative")]:
         with pytest.raises(FaultSpecError, match=needle):
             parse_rule(bad)
+
+
+def test_quiet_at_says_whether_a_rule_of_this_process_can_fire_at_a_step(tmp_path):
+    rules = parse_rules(["kill:process=1:step=5:phase=before-step", "kill:process=0:step=7",
+                         "stop:process=1:step=20:width=2"])
+    inj = FaultInjector(rules, process_id=1, state_dir=str(tmp_path))
+    assert inj.quiet_at(4) and not inj.quiet_at(5) and inj.quiet_at(6)
+    assert inj.quiet_at(7)  # process 0's rule
+    assert inj.quiet_at(19) and not inj.quiet_at(20) and not inj.quiet_at(31)  # width=N: from step 20 on
+    inj.point("before-step", 6)  # not step 5's: nothing fires
+    assert not inj.quiet_at(5)
+    assert claim(str(tmp_path), rules[0], 1)  # fired (as point() marks it): it never fires again
+    assert inj.quiet_at(5) and not inj.quiet_at(20)

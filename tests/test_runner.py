@@ -46,3 +46,29 @@ def test_drain_is_bounded():
     with pytest.raises(Abandoned):
         r.run(lambda: time.sleep(3))
     assert r.drain(0.2) is False  # the left job sleeps on: drain gives up at its bound
+
+
+def test_a_started_call_runs_while_the_caller_goes_on_and_hands_its_result_once():
+    r = StepRunner()
+    go = threading.Event()
+    w = r.start(lambda: (go.wait(10), "step 5")[1])
+    with pytest.raises(RuntimeError, match="already running"):
+        r.start(lambda: None)  # one call at a time
+    go.set()  # (the caller did its own work meanwhile)
+    assert r.wait(w) == "step 5"
+    assert r.run(lambda: 6) == 6  # waited for: the worker takes the next call
+    w = r.start(lambda: {}["boom"])
+    with pytest.raises(KeyError, match="boom"):
+        r.wait(w)
+
+
+def test_a_started_call_that_is_left_frees_the_runner_for_the_next():
+    r = StepRunner()
+    release = threading.Event()
+    w = r.start(lambda: release.wait(10))
+    assert r.abandon("the step before it failed") is True
+    with pytest.raises(Abandoned, match="before it failed"):
+        r.wait(w)
+    assert r.run(lambda: 7) == 7  # a fresh worker
+    release.set()
+    assert r.drain(5.0) is True

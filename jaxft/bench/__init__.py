@@ -34,6 +34,8 @@ def add_parser(sub) -> None:
     o.add_argument("--reduction", choices=REDUCTIONS, default="allreduce",
                    help="the elastic step's reduction (jaxft.ElasticTrainer; the chunked ones in 8 chunks); the "
                         "plain loop always runs the all-reduce")
+    o.add_argument("--pipeline", action="store_true",
+                   help="start each step's program before the previous step's commit query (jaxft.ElasticLoop)")
     r = which.add_parser("rehydrate", help="state transfer to a joiner vs a TCP loopback copy")
     r.add_argument("-n", type=int, default=2)
     r.add_argument("--mb", type=float, default=100)
@@ -78,9 +80,12 @@ def run(args) -> int:
         from jaxft.bench.overhead import bench_overhead
 
         figures = bench_overhead(args.n, args.steps, args.hidden, args.global_batch, args.admission,
-                                 args.reduction)
+                                 args.reduction, args.pipeline)
         print(f"per step: elastic {figures['elastic_ms']:.2f} ms, plain {figures['plain_ms']:.2f} ms, "
-              f"ratio {figures['ratio']:.3f} ({figures['processes']} processes, {figures['reduction']})")
+              f"ratio {figures['ratio']:.3f} ({figures['processes']} processes, {figures['reduction']}"
+              f"{', pipeline' if figures['pipeline'] else ''})")
+        print(f"floor (plain + one coordination-service round trip per step): {figures['floor_ms']:.2f} ms, "
+              f"ratio {figures['floor_ratio']:.3f}")
     elif args.bench == "chaos":
         from jaxft.bench.chaos import bench_chaos
 

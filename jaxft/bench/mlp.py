@@ -38,6 +38,8 @@ flags.DEFINE_enum("admission", "ready", ["ready", "connect"],
 flags.DEFINE_integer("keep", 3, "complete checkpoints to keep (max_to_keep; 0: keep all)")
 flags.DEFINE_integer("precompile", 0, "compile the step for each member set one failure away in the "
                      "background while there are at most this many members (0: off; see jaxft.warmup)")
+flags.DEFINE_bool("pipeline", False, "start each step's program before the previous step's commit query "
+                  "(jaxft.ElasticLoop's pipeline: the query's round trip hidden behind the program)")
 flags.DEFINE_bool("hold_jax_params", False, "keep the initial params as jax arrays for the whole run, as a "
                   "program that passes them unconverted does (it keeps the first CPU backend alive after a "
                   "rebuild: the backend_leaked event)")
@@ -127,7 +129,7 @@ def main(argv):
                                    reduction=FLAGS.reduction,
                                    exact_chunks=FLAGS.exact_chunks if FLAGS.reduction != "allreduce" else None,
                                    on_commit=on_commit, group=jaxft.ElasticGroup(admission=FLAGS.admission),
-                                   precompile=FLAGS.precompile)
+                                   precompile=FLAGS.precompile, pipeline=FLAGS.pipeline)
     if ckpt is not None:
         restored = ckpt.restore(trainer)  # cold restore (put off by a restart whose peers train on)
         if restored is not None:

@@ -1,5 +1,7 @@
 """``jaxft bench overhead``: the atomic elastic step next to a plain multi-process JAX loop
-with the same model, batch and mesh (workers: ``python -m jaxft.bench.overhead``)."""
+with the same model, batch and mesh, and next to that plain loop plus one coordination-service
+round trip per step (``get_live_nodes`` over every process, as the commit query): the floor of
+a step that agrees on its commit through the service (workers: ``python -m jaxft.bench.overhead``)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from jaxft.bench._jobs import launch, result
 CHUNKS = 8  # the chunked reductions' chunk count in this bench
 
 
-def worker(steps: int, hidden: int, batch: int, admission: str = "ready", reduction: str = "allreduce") -> None:
+def worker(steps: int, hidden: int, batch: int, admission: str = "ready", reduction: str = "allreduce",
+           pipeline: bool = False) -> None:
     import jaxft
 
     rt = jaxft.initialize()
@@ -23,6 +26,7 @@ def worker(steps: int, hidden: int, batch: int, admission: str = "ready", reduct
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    from jaxft import kv
     from jaxft.data import shard_batch
     from jaxft.trainer import _replicate, make_train_step
 
@@ -41,7 +45,9 @@ def worker(steps: int, hidden: int, batch: int, admission: str = "ready", reduct
     batches = jaxft.GlobalBatches(data, batch, seed=0)
     chunks = None if reduction == "allreduce" else CHUNKS
     trainer = jaxft.ElasticTrainer(loss_fn, tx, params, batches, runtime=rt, reduction=reduction,
-                                   exact_chunks=chunks, group=jaxft.ElasticGroup(admission=admission))
+                                   exact_chunks=chunks, group=jaxft.ElasticGroup(admission=admission),
+                                   pipeline=pipeline)
+    trainer.group.target = 10 ** 9  # (a step starts early only when the run's end is known)
     for _ in range(3):  # warm up: the first step rebuilds the data plane (and the backend) and compiles
         trainer.try_step()
     # The plain loop: the default all-reduce's step function (whatever ``reduction`` the
@@ -57,39 +63,55 @@ def worker(steps: int, hidden: int, batch: int, admission: str = "ready", reduct
         jax.block_until_ready(loss)
         plain["i"] += 1
 
-    for _ in range(3):
+    client, everyone = kv.client(), list(range(jax.process_count()))
+
+    def floor_step() -> None:  # the plain step, then one round trip as the commit's
         plain_step()
-    # Interleaved in blocks of 10 steps, so that drift in the machine's load falls on both
+        client.get_live_nodes(everyone)
+
+    for _ in range(3):
+        floor_step()
+    # Interleaved in blocks of 10 steps, so that drift in the machine's load falls on all
     # alike (measured one after the other, the ratio ranged 0.967-1.047 from run to run).
-    t_elastic, t_plain = [], []
-    while len(t_elastic) < steps:
-        for timings, one in ((t_elastic, trainer.try_step), (t_plain, plain_step)):
-            for _ in range(min(10, steps - len(timings))):
-                t0 = time.perf_counter()
+    # Timed by block: with pipeline a step's program runs on into the next call, and the
+    # block ends when it has (settle), so each block holds its steps' whole time.
+    blocks: dict[str, list[float]] = {"elastic": [], "plain": [], "floor": []}
+    done = 0
+    while done < steps:
+        k = min(10, steps - done)
+        for name, one in (("elastic", trainer.try_step), ("plain", plain_step), ("floor", floor_step)):
+            t0 = time.perf_counter()
+            for _ in range(k):
                 one()
-                timings.append(time.perf_counter() - t0)
+            if name == "elastic":
+                trainer.settle()  # (before the plain loop runs programs on the same devices)
+            blocks[name].append((time.perf_counter() - t0) / k)
+        done += k
     del NamedSharding, P
-    el, pl = statistics.median(t_elastic), statistics.median(t_plain)
+    el, pl, fl = (statistics.median(blocks[name]) for name in ("elastic", "plain", "floor"))
     rt.events.log("bench_overhead", elastic_ms=round(el * 1e3, 3), plain_ms=round(pl * 1e3, 3),
-                  ratio=round(el / pl, 4), steps=steps, processes=rt.num_processes, hidden=hidden,
-                  global_batch=batch, reduction=reduction)
+                  floor_ms=round(fl * 1e3, 3), ratio=round(el / pl, 4), floor_ratio=round(fl / pl, 4),
+                  steps=steps, processes=rt.num_processes, hidden=hidden, global_batch=batch, reduction=reduction,
+                  pipeline=pipeline, started_early=trainer.loop.started_early)
     trainer.group.finish()
 
 
 def bench_overhead(n: int = 2, steps: int = 100, hidden: int = 512, batch: int = 512,
-                   admission: str = "ready", reduction: str = "allreduce") -> dict:
+                   admission: str = "ready", reduction: str = "allreduce", pipeline: bool = False) -> dict:
     """``reduction`` other than the all-reduce cuts the batch in :data:`CHUNKS` chunks."""
     if reduction != "allreduce" and batch % CHUNKS:
         raise ValueError(f"--reduction {reduction} cuts the global batch in {CHUNKS} chunks: {batch} is not a "
                          "multiple of it")
     with tempfile.TemporaryDirectory() as run_dir:
-        launch(n, __name__, [str(steps), str(hidden), str(batch), admission, reduction], run_dir)
+        launch(n, __name__, [str(steps), str(hidden), str(batch), admission, reduction, str(int(pipeline))],
+               run_dir)
         r = result(run_dir, "bench_overhead")
-    return {k: r[k] for k in ("elastic_ms", "plain_ms", "ratio", "steps", "processes", "hidden", "global_batch",
-                              "reduction")}
+    return {k: r[k] for k in ("elastic_ms", "plain_ms", "floor_ms", "ratio", "floor_ratio", "steps", "processes",
+                              "hidden", "global_batch", "reduction", "pipeline", "started_early")}
 
 
 
 
 if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:6])
+    worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:6],
+           *(bool(int(a)) for a in sys.argv[6:7]))
