@@ -27,6 +27,8 @@ flags.DEFINE_integer("precompile", 0, "compile the step for the member sets one 
 flags.DEFINE_enum("admission", "ready", ["ready", "connect"],
                   "connect: a restarted process is a member from its first step (the others wait for its "
                   "set-up); ready: the others train on and admit it once it is ready (jaxft.admission)")
+flags.DEFINE_bool("pipeline", False, "start each step's program before the previous step's commit query "
+                  "(jaxft.ElasticLoop's pipeline)")
 FLAGS = flags.FLAGS
 
 
@@ -98,7 +100,8 @@ def main(_):
 
     trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params, data, runtime=rt, micro_batch=FLAGS.micro_batch or None,
                                    check_every=FLAGS.check_every, on_commit=on_commit,
-                                   group=jaxft.ElasticGroup(admission=FLAGS.admission), precompile=FLAGS.precompile)
+                                   group=jaxft.ElasticGroup(admission=FLAGS.admission), precompile=FLAGS.precompile,
+                                   pipeline=FLAGS.pipeline)
     if ckpt is not None and (restored := ckpt.restore(trainer)) is not None:
         print(f"restored step {restored.step} from {restored.path}", flush=True)
     state = trainer.run(FLAGS.steps)

@@ -76,6 +76,7 @@ def started_without(process_id: int, every_s: float = 0.25) -> Callable[[], bool
 
 
 READY = 1  # a member's vote: this joiner announced it is ready
+NOT_AHEAD = 1  # a member's vote in its own slot (pipeline, jaxft.loop): start no step early next
 HOLD = 1 << 20  # a member's vote: admit nobody at this step. The votes are summed over the
 # devices (jaxft.loop: one all-reduce with the step's); any sum >= HOLD has a hold in it, as
 # the ready votes add up to at most the number of devices.

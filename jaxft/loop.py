@@ -480,10 +480,22 @@ class ElasticLoop:
         self._warmer.pause()
         self._warmed_for = None
 
-    def _votes_input(self, m: Members) -> jax.Array:
+    def _votes_input(self, m: Members, step: int | None = None) -> jax.Array:
         """This member's admission votes (held while a program it left still runs) as the
-        ``[D, P]`` input of the program that sums them."""
-        return self._votes_on(self._hold_if_left(self.group.votes(m), m), m)
+        ``[D, P]`` input of the program that sums them; with ``pipeline``, for the program of
+        step ``step``, also whether this member lets step ``step + 1`` start early (see
+        :meth:`_may_run_ahead`)."""
+        votes = self._hold_if_left(self.group.votes(m), m)
+        if self.pipeline and step is not None and not self._lets_run_ahead(step + 1):
+            votes = np.array(votes, copy=True)
+            votes[self.group.process_id] = admission_lib.NOT_AHEAD  # (a member's own slot: no joiner's)
+        return self._votes_on(votes, m)
+
+    def _lets_run_ahead(self, step: int) -> bool:
+        """This member's part of the agreement that ``step`` may start early: no stop asked of
+        it, and no fault rule of its own that could fire at ``step`` (a ``before-step`` kill
+        must not land inside a program already running: the rules keep their meaning)."""
+        return not stopping.requested() and self.faults.quiet_at(step)
 
     def _admit(self, m: Members, agreed: np.ndarray, step: int) -> None:
         """Admit the joiners the members agreed on; they enter at ``step`` (``admit`` event)."""
@@ -543,12 +555,19 @@ class ElasticLoop:
         return program
 
     def _may_run_ahead(self, step: int, m: Members, agreed: np.ndarray | None) -> bool:
-        """Whether step ``step + 1`` may start before ``step`` commits (see ``pipeline``): the
-        members stay the same unless one fails (nobody joins, agreed in this step's votes)."""
+        """Whether step ``step + 1`` may start before ``step`` commits (see ``pipeline``).
+
+        Every member must decide the same: one that does not start it early runs ``on_commit``
+        first, whose collectives (an Orbax save's) would then wait for the others' early
+        program, and it for them, until gloo's timeout (seen in the main job when only one
+        member had a fault rule at the next step). So the decision rests only on what the
+        members share: the run's end, and step ``step``'s agreed votes, which say that nobody
+        joins (the members stay the same unless one fails) and carry each member's own
+        conditions for step ``step + 1`` (:meth:`_lets_run_ahead`, as its arguments were built).
+        """
         target = self.group.target
         return (self.pipeline and self.group.admission == "ready" and target is not None and step + 1 < target
-                and (agreed is None or not np.any(agreed)) and not stopping.requested()
-                and self.faults.quiet_at(step + 1))
+                and agreed is not None and not np.any(agreed))
 
     def _start_ahead(self, step: int, m: Members, inputs: PyTree) -> None:
         """Start step ``step``'s program on this step's output (see ``pipeline``). A failure
@@ -556,7 +575,7 @@ class ElasticLoop:
         try:
             fn = self._fn(m)
             batch, mask = self._batch(step, m)
-            args = (inputs, batch, mask, self._votes_input(m))
+            args = (inputs, batch, mask, self._votes_input(m, step))
         except Exception as e:  # noqa: BLE001 - raised again by the step, where it belongs
             logger.debug("process %d: not starting step %d early: %s", self.group.process_id, step, e)
             return
@@ -661,6 +680,7 @@ class ElasticLoop:
                 failures, waiting_since = 0, None
                 stop_at = stopping.stop_step(self.step)
                 if stop_at is not None and self.step >= stop_at:  # on_commit saved it if asked to
+                    self._settle(drop=True)  # (every member stops here: all end the early program)
                     self.events.log("stopped", step=self.step)
                     raise SystemExit(stopping.EXIT_STOPPED)
             elif self._too_few is not None:  # nothing failed: too few members to commit
@@ -711,7 +731,7 @@ class ElasticLoop:
                     batch, mask = self._batch(step, m)
                     args = (self._replicated(state, m), batch, mask)
                     if self.group.admission == "ready":  # admission votes ride in the step's own program
-                        args += (self._votes_input(m),)
+                        args += (self._votes_input(m, step),)
                     # in a thread it can be left in (jaxft.runner)
                     new_global, host = self._runner.run(self._job(step, fn, args, m.mesh))
                 t_program = time.monotonic() - t_program

@@ -6,6 +6,7 @@
 #   N=3 STEPS=200 scripts/launch_local.sh
 #   ADMISSION=connect scripts/launch_local.sh   # restarted processes join at once (the others wait)
 #   PRECOMPILE=8 scripts/launch_local.sh        # process 0 compiles the meshes one failure away ahead
+#   PIPELINE=1 scripts/launch_local.sh          # each step's program starts during the last commit
 #
 # Creates .venv on first use. Faults: process 0 is killed mid-step at STEPS/10 (the others
 # retry the step without it), the last process dies before step STEPS/6 while process 0 is
@@ -45,6 +46,7 @@ N=${N:-4}
 STEPS=${STEPS:-400}
 ADMISSION=${ADMISSION:-ready}
 PRECOMPILE=${PRECOMPILE:-0}  # N: process 0 compiles the one-failure meshes ahead (see docs/design.md)
+PIPELINE=${PIPELINE:-0}  # 1: ElasticTrainer(pipeline=True) (see docs/design.md)
 RUN_DIR=${RUN_DIR:-runs/launch_local-$(date +%Y%m%d-%H%M%S)}
 LAST=$((N - 1))
 
@@ -55,7 +57,7 @@ set +e
   --fault "kill:process=$LAST:step=$((STEPS / 6)):phase=before-step" \
   --fault "kill-all:step=$((7 * STEPS / 10)):phase=after-commit:width=$N" \
   -- .venv/bin/python examples/flax_digits.py --steps "$STEPS" --checkpoint_every 10 --admission "$ADMISSION" \
-     --precompile "$PRECOMPILE"
+     --precompile "$PRECOMPILE" "$([ "$PIPELINE" = 1 ] && echo --pipeline || echo --nopipeline)"
 code=$?
 set -e
 echo

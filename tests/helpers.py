@@ -265,3 +265,24 @@ def check_agreed_run(evts: list[dict], steps: int, n: int) -> dict[int, list[dic
     f = finals(evts)
     assert len(f) == n and len({x["params_sha256"] for x in f}) == 1, f
     return by_step
+
+
+def stop_with_checkpoint(run: Path, worker: Sequence[str], n: int = 2) -> tuple[list[dict], int]:
+    """``jaxft launch -n N --checkpoint-on-stop -- WORKER...`` SIGTERMed once step 5 committed:
+    checks that every process stopped at one step, saved a checkpoint there and exited on
+    SIGTERM with no traceback; returns the run's events and that step."""
+    args = [*JAXFT, "launch", "-n", str(n), "--run-dir", str(run), "--grace", "30", "--checkpoint-on-stop",
+            "--console", "raw", "--", *worker]
+    with started(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        wait_for(lambda: by_event(events(run), "commit", step=5), timeout=120, interval=0.2, what="step 5")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "ignored SIGTERM" not in out and "Traceback" not in out, out
+    ev = events(run)
+    stopped = by_event(ev, "stopped")
+    assert sorted(e["process"] for e in stopped) == list(range(n)) and len({e["step"] for e in stopped}) == 1, stopped
+    step = stopped[0]["step"]
+    assert {e["process"] for e in by_event(ev, "checkpoint_saved", step=step)} == set(range(n)), out
+    assert {e.get("code") for e in summary(run)["exits"]} == {128 + signal.SIGTERM}
+    return ev, step

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from helpers import (MLP, by_event as of, check_agreed_run, commits_by_step, finals, run_jaxft, too_late_to_rejoin,
-                     train)
+from helpers import (MLP, PYTHON, by_event as of, check_agreed_run, commits_by_step, finals, run_jaxft,
+                     stop_with_checkpoint, too_late_to_rejoin, train)
 
 STEPS = 30
 EXACT = ("--reduction", "exact", "--exact_chunks", "8")
@@ -99,3 +99,34 @@ def test_the_overhead_bench_runs_the_pipelined_step_beside_its_floor(tmp_path):
     for key in ("elastic_ms", "plain_ms", "floor_ms"):
         assert figures[key] > 0, figures
     assert figures["floor_ratio"] == pytest.approx(figures["floor_ms"] / figures["plain_ms"], rel=1e-2)
+
+
+def test_one_members_fault_rule_keeps_every_member_from_starting_early(sequential, tmp_path):
+    # Only process 0 has a rule at step 10, yet no member may start step 10 early: the others
+    # would then wait in their early program's all-reduce (settling before on_commit) while
+    # process 0, running step 9's on_commit in step, joins the checkpoint save's collectives
+    # instead: each waits for the other until gloo's timeout (seen in the main job). The
+    # decision rides in the step's votes, so every member makes the same one.
+    faults = ["kill:process=0:step=10"]
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), *EXACT, "--pipeline", "--checkpoint_every", "5",
+                         faults=faults)
+    assert proc.returncode == 1, proc.describe()  # process 0 died and was not restarted
+    exits = [e for e in of(events, "exit") if e.get("code") not in (None, 0)]
+    assert exits == [], f"only the killed process may fail: {exits}"
+    survivors = finals(events)
+    assert sorted(f["process"] for f in survivors) == [1, 2], survivors
+    assert {f["params_sha256"] for f in survivors} == {sequential}, survivors
+    for f in survivors:
+        # not step 0 (no step before it) nor step 10 (the rule's; retried after the kill at its
+        # after-grad point); step 11, started before step 10's failed commit query, was left
+        assert (f["started_early"], f["left_early"]) == (STEPS - 2, 1), f
+    assert not of(events, "hung") and not of(events, "abandoned"), events
+
+
+def test_a_stop_ends_a_pipelined_run_at_one_step_with_its_checkpoint(tmp_path, marker):
+    # SIGTERM: the members agree on a step to stop at, save there (on_commit, after the early
+    # program settled) and exit; the step started early meanwhile ends before they do
+    worker = [PYTHON, MLP, "--steps", "400", "--step_sleep", "0.05", "--checkpoint_every", "1000", "--hidden", "16",
+              "--pipeline", marker]
+    ev, _ = stop_with_checkpoint(tmp_path / "run", worker)
+    assert not of(ev, "hung") and not of(ev, "abandoned"), ev

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from helpers import (ALLREDUCE_WORKER, JAXFT, MLP, PYTHON, by_event, events, launch, processes_with, run_jaxft,
-                     started, summary, wait_for)
+                     started, stop_with_checkpoint, summary, wait_for)
 
 
 def test_sigterm_ends_workers_before_the_service(tmp_path, marker):
@@ -182,20 +182,7 @@ def test_checkpoint_on_stop_saves_a_last_checkpoint_and_resumes_there(tmp_path, 
     run = tmp_path / "run"
     worker = [PYTHON, str(MLP), "--steps", "400", "--step_sleep", "0.1", "--checkpoint_every", "1000",
               "--hidden", "16", marker]
-    args = [*JAXFT, "launch", "-n", "2", "--run-dir", str(run), "--grace", "30", "--checkpoint-on-stop",
-            "--console", "raw", "--", *worker]
-    with started(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        wait_for(lambda: by_event(events(run), "commit", step=5), timeout=120, interval=0.2, what="step 5")
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM, out
-    assert "ignored SIGTERM" not in out and "Traceback" not in out, out
-    ev = events(run)
-    stopped = by_event(ev, "stopped")
-    assert sorted(e["process"] for e in stopped) == [0, 1] and len({e["step"] for e in stopped}) == 1, stopped
-    step = stopped[0]["step"]
-    assert {e["process"] for e in by_event(ev, "checkpoint_saved", step=step)} == {0, 1}, out
-    assert {e.get("code") for e in summary(run)["exits"]} == {128 + signal.SIGTERM}
+    _, step = stop_with_checkpoint(run, worker)
     # The next run of the same job starts from that checkpoint.
     again = launch(2, [PYTHON, str(MLP), "--steps", str(step + 2), "--checkpoint_every", "1000", "--hidden", "16"],
                    run_dir=run, timeout=120)
