@@ -52,6 +52,8 @@ def add_parser(sub) -> None:
     c.add_argument("--reduction", choices=REDUCTIONS, default="allreduce",
                    help="the three runs' gradient reduction (jaxft.ElasticTrainer; the chunked ones in 8 "
                    "chunks): allreduce64 makes the jaxft run's params bitwise equal to the fault-free run's")
+    c.add_argument("--pipeline", action="store_true",
+                   help="the three runs (and the overhead bench) with mlp --pipeline (jaxft.ElasticLoop)")
     c.add_argument("--checkpoint-every", type=int, default=20)
     c.add_argument("--step-sleep", type=float, default=0.1, help="stretch each step by this many seconds")
     c.add_argument("--seed", type=int, default=0)
@@ -91,7 +93,8 @@ def run(args) -> int:
 
         figures = bench_chaos(args.n, args.steps, args.kill_every, args.checkpoint_every, args.step_sleep,
                               args.seed, args.keep_dirs, overhead=not args.no_overhead, kills=args.kills,
-                              admission=args.admission, precompile=args.precompile, reduction=args.reduction)
+                              admission=args.admission, precompile=args.precompile, reduction=args.reduction,
+                              pipeline=args.pipeline)
         print(f"{'':12s} {'goodput':>8s} {'steps lost':>10s} {'recovery s':>10s} {'train s':>8s} "
               f"{'max stall s':>11s} {'min width':>9s}  params vs fault-free")
         for name in ("fault_free", "jaxft", "restart_all"):
@@ -102,7 +105,8 @@ def run(args) -> int:
                   f"{f['train_s']:8.1f} {f['max_stall_s']:11.2f} {f['min_width']:9d}  {vs}"
                   + ("" if f["finals_agree"] else "  (processes disagree!)"))
         print(f"{len(figures['schedule'])} kills; checkpoint every {args.checkpoint_every} steps; "
-              f"jaxft admission: {args.admission}, precompile: {args.precompile}; reduction: {args.reduction}")
+              f"jaxft admission: {args.admission}, precompile: {args.precompile}; reduction: {args.reduction}"
+              f"{'; pipeline' if args.pipeline else ''}")
         if "overhead_ratio" in figures:
             o = figures["overhead"]
             print(f"per-step overhead of jaxft over a plain JAX loop: {o['ratio']:.3f} "

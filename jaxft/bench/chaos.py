@@ -68,7 +68,7 @@ def run_figures(events: list[dict], steps: int) -> dict:
 def bench_chaos(n: int = 4, steps: int = 300, kill_every: float | None = None, checkpoint_every: int = 20,
                 step_sleep: float = 0.1, seed: int = 0, keep_dirs: str | None = None,
                 overhead: bool = True, kills: int = 5, admission: str = "ready", precompile: int = 8,
-                reduction: str = "allreduce") -> dict:
+                reduction: str = "allreduce", pipeline: bool = False) -> dict:
     """The same training three ways: fault-free, jaxft with kills, restart-all with kills.
 
     The kills fall every ``kill_every`` seconds of the fault-free run's training time, or,
@@ -76,14 +76,16 @@ def bench_chaos(n: int = 4, steps: int = 300, kill_every: float | None = None, c
     (``ready``: survivors train on while a restarted process sets up) and ``precompile``
     (:mod:`jaxft.warmup`); so does the fault-free run, the reference of every goodput. The
     restart-all run has no use for either. All three use ``reduction`` (``jaxft.ElasticTrainer``;
-    the chunked ones in :data:`CHUNKS` chunks), and each faulty run's final params are compared
-    with the fault-free run's leaf by leaf (``params_vs_fault_free``).
+    the chunked ones in :data:`CHUNKS` chunks) and ``pipeline`` (``jaxft.ElasticLoop``), and
+    each faulty run's final params are compared with the fault-free run's leaf by leaf
+    (``params_vs_fault_free``).
     """
     import random
 
     base = keep_dirs or tempfile.mkdtemp(prefix="jaxft-chaos-")
     worker = ["-m", "jaxft.bench.mlp", "--steps", str(steps), "--step_sleep", str(step_sleep),
-              "--checkpoint_every", str(checkpoint_every), "--check_every", "0", *reduction_flags(reduction)]
+              "--checkpoint_every", str(checkpoint_every), "--check_every", "0", *reduction_flags(reduction),
+              *(["--pipeline"] if pipeline else [])]
     params: dict[str, dict[str, np.ndarray]] = {}
 
     def job(name: str, restart: str, faults: list[str], extra: tuple[str, ...] = ()) -> list[dict]:
@@ -125,11 +127,11 @@ def bench_chaos(n: int = 4, steps: int = 300, kill_every: float | None = None, c
             figures[name]["params_vs_fault_free"] = params_diff(params[name], params["fault_free"])
     figures["schedule"] = schedule
     figures["config"] = {"processes": n, "steps": steps, "kill_every_s": kill_every, "kills": len(schedule),
-                         "admission": admission, "precompile": precompile, "reduction": reduction,
+                         "admission": admission, "precompile": precompile, "reduction": reduction, "pipeline": pipeline,
                          "checkpoint_every": checkpoint_every, "step_sleep_s": step_sleep, "seed": seed,
                          "run_dirs": base if keep_dirs else None}
     if overhead:
-        figures["overhead"] = bench_overhead(n=2)
+        figures["overhead"] = bench_overhead(n=2, pipeline=pipeline)
         figures["overhead_ratio"] = figures["overhead"]["ratio"]
     if not keep_dirs:
         import shutil
