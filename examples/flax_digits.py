@@ -29,6 +29,8 @@ flags.DEFINE_enum("admission", "ready", ["ready", "connect"],
                   "set-up); ready: the others train on and admit it once it is ready (jaxft.admission)")
 flags.DEFINE_bool("pipeline", False, "start each step's program before the previous step's commit query "
                   "(jaxft.ElasticLoop's pipeline)")
+flags.DEFINE_integer("commit_every", 1, "one commit query per this many steps (jaxft.ElasticLoop's commit_every: "
+                     "a failure undoes the steps since the last commit)", lower_bound=1)
 FLAGS = flags.FLAGS
 
 
@@ -90,10 +92,13 @@ def main(_):
         ckpt = jaxft.ElasticCheckpointer(resolve_directory(FLAGS.checkpoint_dir), every=FLAGS.checkpoint_every,
                                          runtime=rt, data=data, metadata={"model": "flax_digits_cnn"})
 
-    def on_commit(trainer, record):
+    printed = [-1]
+
+    def on_commit(trainer, record):  # (once per commit: with commit_every, for its last step)
         if ckpt is not None:
             ckpt.on_commit(trainer, record)
-        if record.step % 10 == 0:
+        if record.step // 10 > printed[0] // 10:  # a line per 10 steps
+            printed[0] = record.step
             print(f"step {record.step:4d} loss {record.loss:.4f} members {list(record.members)}", flush=True)
         if FLAGS.step_sleep:
             time.sleep(FLAGS.step_sleep)
@@ -101,7 +106,7 @@ def main(_):
     trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params, data, runtime=rt, micro_batch=FLAGS.micro_batch or None,
                                    check_every=FLAGS.check_every, on_commit=on_commit,
                                    group=jaxft.ElasticGroup(admission=FLAGS.admission), precompile=FLAGS.precompile,
-                                   pipeline=FLAGS.pipeline)
+                                   pipeline=FLAGS.pipeline, commit_every=FLAGS.commit_every)
     if ckpt is not None and (restored := ckpt.restore(trainer)) is not None:
         print(f"restored step {restored.step} from {restored.path}", flush=True)
     state = trainer.run(FLAGS.steps)

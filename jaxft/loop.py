@@ -250,6 +250,20 @@ class ElasticLoop:
         the early program ended (so a hook may run programs of its own), and a caller of
         :meth:`try_step` that runs other programs on the run's devices between steps calls
         :meth:`settle` first.
+      commit_every: with N > 1, a commit covers up to N steps: the commit query (one
+        coordination-service round trip) is made at every step ``k`` with ``(k + 1) % N == 0``
+        and skipped at the others, whose commit the next query makes with its own, all or
+        none: if a step fails, the steps run since the last commit are undone on every
+        member (``rolled_back`` event) and run again, so a failure costs up to N steps more.
+        What it buys: the round trip's CPU once per N steps (on a CPU-bound machine, where
+        every member's and the coordinator's share of it comes out of the step). A step
+        commits alone anyway when joiners are admitted, the members changed (its first
+        step), the run ends, or a member was asked to stop. ``on_commit`` runs once per
+        commit, for its last step (``loop.step`` then a multiple of N, or a step that
+        committed alone): a hook that acts every K steps needs K a multiple of N (the
+        :class:`~jaxft.ElasticCheckpointer` checks). Between commits, :attr:`step` and
+        :attr:`state` are those of the last step run; :attr:`pending` says how many of them
+        are not committed yet. Needs the run's end known, as ``pipeline`` does.
     """
 
     def __init__(self, step_fn: StepFn | None, state: PyTree, data, *, runtime=None,
@@ -258,13 +272,16 @@ class ElasticLoop:
                  stacked: bool = False, check_every: int = 0, group: ElasticGroup | None = None,
                  on_commit: Callable[[Any, StepRecord], None] | None = None, step: int = 0,
                  min_members: int = 1, max_attempts: int | None = 100, chunk: int | None = None,
-                 precompile: int = 0, step_takes_votes: bool = False, pipeline: bool = False):
+                 precompile: int = 0, step_takes_votes: bool = False, pipeline: bool = False,
+                 commit_every: int = 1):
         if (step_fn is None) == (make_step is None):
             raise ValueError("pass exactly one of step_fn and make_step")
         if min_members < 1:
             raise ValueError(f"min_members must be >= 1, got {min_members}")
         if max_attempts is not None and max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1 or None, got {max_attempts}")
+        if commit_every < 1:
+            raise ValueError(f"commit_every must be >= 1, got {commit_every}")
         self.min_members = min_members
         self.max_attempts = max_attempts
         self._too_few: tuple[int, ...] | None = None
@@ -307,6 +324,10 @@ class ElasticLoop:
         self._ahead: _Ahead | None = None  # the next step's program, started early (pipeline)
         self.started_early = 0  # committed steps whose program started before the last commit
         self.left_early = 0  # programs started early and left: the step before them failed
+        self.commit_every = commit_every
+        self._pending: list[StepRecord] = []  # steps run since the last commit (commit_every)
+        self._before_pending: tuple | None = None  # (step, state, _global) as the last commit left them
+        self.rolled_back = 0  # steps run, then undone because a later step of their commit failed
 
     @property
     def global_batch(self) -> int:
@@ -315,6 +336,11 @@ class ElasticLoop:
     @property
     def last_loss(self) -> float | None:
         return self.last_metrics.get("loss")
+
+    @property
+    def pending(self) -> int:
+        """Steps run since the last commit, committed by the next one or undone (``commit_every``)."""
+        return len(self._pending)
 
     # -- state --------------------------------------------------------------------------
     def _abandon(self, info: dict) -> bool:
@@ -348,12 +374,14 @@ class ElasticLoop:
         return admission_lib.held(votes, m.process_ids)
 
     def _state_to_host(self) -> None:
+        self._roll_back("the backend is rebuilt")  # (never with steps pending: they commit or fail first)
         self._global = None
         self._votes = self._mask = None  # (arrays of the backend a rebuild replaces)
         self.state = to_host(self.state)
 
     def restore(self, step: int, state: PyTree) -> None:
         """Continue from ``(step, state)`` (e.g. a checkpoint) instead of the initial state."""
+        self._pending, self._before_pending = [], None
         self.step, self.state, self._global = int(step), canonical(state), None
 
     def _after_reset(self) -> None:
@@ -486,7 +514,8 @@ class ElasticLoop:
         step ``step``, also whether this member lets step ``step + 1`` start early (see
         :meth:`_may_run_ahead`)."""
         votes = self._hold_if_left(self.group.votes(m), m)
-        if self.pipeline and step is not None and not self._lets_run_ahead(step + 1):
+        if step is not None and ((self.pipeline and not self._lets_run_ahead(step + 1))
+                                 or (self.commit_every > 1 and stopping.requested())):
             votes = np.array(votes, copy=True)
             votes[self.group.process_id] = admission_lib.NOT_AHEAD  # (a member's own slot: no joiner's)
         return self._votes_on(votes, m)
@@ -496,6 +525,25 @@ class ElasticLoop:
         it, and no fault rule of its own that could fire at ``step`` (a ``before-step`` kill
         must not land inside a program already running: the rules keep their meaning)."""
         return not stopping.requested() and self.faults.quiet_at(step)
+
+    def _defers(self, step: int, m: Members, agreed: np.ndarray | None) -> bool:
+        """Whether step ``step`` leaves its commit to the next step's query (``commit_every``).
+        Like :meth:`_may_run_ahead`, on what the members share only: the step number, the
+        run's end, whether the members just changed, and the step's agreed votes (nobody
+        joins; no member asked to stop, see :meth:`_votes_input`)."""
+        n, target = self.commit_every, self.group.target
+        return (n > 1 and (step + 1) % n != 0 and self.group.admission == "ready" and target is not None
+                and step + 1 < target and not (m.reset or m.gained) and agreed is not None and not np.any(agreed))
+
+    def _roll_back(self, why: str) -> None:
+        """Undo the steps run since the last commit: a later step of that commit failed."""
+        if not self._pending:
+            return
+        undone = [r.step for r in self._pending]
+        self.step, self.state, self._global = self._before_pending
+        self._pending, self._before_pending = [], None
+        self.rolled_back += len(undone)
+        self.events.log("rolled_back", step=self.step, steps=undone, why=why)
 
     def _admit(self, m: Members, agreed: np.ndarray, step: int) -> None:
         """Admit the joiners the members agreed on; they enter at ``step`` (``admit`` event)."""
@@ -683,6 +731,8 @@ class ElasticLoop:
                     self._settle(drop=True)  # (every member stops here: all end the early program)
                     self.events.log("stopped", step=self.step)
                     raise SystemExit(stopping.EXIT_STOPPED)
+            elif self.step > step:  # run, its commit left to a later step's (commit_every)
+                failures, waiting_since = 0, None
             elif self._too_few is not None:  # nothing failed: too few members to commit
                 waiting_since = waiting_since or time.monotonic()
                 if time.monotonic() - waiting_since > self.group.timeouts.barrier:
@@ -701,7 +751,8 @@ class ElasticLoop:
         return self.state
 
     def try_step(self) -> StepRecord | None:
-        """One attempt at the next step; None if it failed (nothing was committed)."""
+        """One attempt at the next step: the record of the commit it made, or None if it made
+        none (it failed; or, with ``commit_every``, it ran and its commit is left to a later step)."""
         step = self.step
         self._too_few = None
         agreed = None
@@ -756,8 +807,12 @@ class ElasticLoop:
                         raise ConsistencyError(step + 1, bad)
                     if ahead:  # (after the check: its collective must not run beside the step's)
                         self._start_ahead(step + 1, m, new_global)
+                defer = self._defers(step, m, agreed)
+                if defer:
+                    self.group.defer_commit()
         except StepFailed as e:
             self._leave_ahead(f"step {step} did not commit")
+            self._roll_back(f"step {step} did not commit")
             self._last_failure = str(e)
             self.faults.at_width(None)
             self.events.log("step_failed", step=step, failed=list(e.failed),
@@ -779,6 +834,15 @@ class ElasticLoop:
         except BaseException:  # (last: after the step's own exceptions)
             self._leave_ahead(f"step {step} raised")
             raise
+        if defer:  # run, not yet committed: the next commit query commits it, or it is undone
+            if not self._pending:
+                self._before_pending = (self.step, self.state, self._global)
+            self.step, self.state = step + 1, new_state
+            self._global = (tuple(d.id for d in m.devices), jax.tree_util.tree_leaves(new_state), new_global)
+            self.last_metrics = scalars
+            self._pending.append(StepRecord(step, scalars.get("loss"), m.process_ids, self.group.generation,
+                                            dict(m.incarnations), scalars))
+            return None
         if rehydrated is not None:
             self.events.log("join", step=rehydrated.from_step, process=self.group.process_id)
             self.events.log("rehydrated", **dataclasses.asdict(rehydrated))
@@ -787,8 +851,9 @@ class ElasticLoop:
         self.last_metrics = scalars
         generation = self.group.generation  # agreed with the donor's after a rejoin
         record = StepRecord(step, scalars.get("loss"), m.process_ids, generation, dict(m.incarnations), scalars)
-        self.events.log("commit", step=step, members=list(m.process_ids), generation=generation,
-                        loss=scalars.get("loss"))
+        committed, self._pending, self._before_pending = self._pending + [record], [], None
+        for r in committed:  # (with commit_every, the steps run since the last commit, then this one)
+            self.events.log("commit", step=r.step, members=list(r.members), generation=r.generation, loss=r.loss)
         if m.reset:  # where a recovery's time goes: the rebuild, then the program (compiled or loaded)
             self.events.log("data_plane", step=step, program_s=round(t_program, 4), **self.group.last_reset,
                             programs_loaded=self.executables.loads, programs_compiled=self.executables.compiles)
@@ -799,7 +864,8 @@ class ElasticLoop:
         if self.on_commit is not None:
             self.settle()  # (a hook may run programs of its own: none may run beside the step's)
             self.on_commit(self, record)
-        self.faults.point("after-commit", step)
+        for r in committed:
+            self.faults.point("after-commit", r.step)
         return record
 
     def log_final(self, params: PyTree | None = None) -> dict:
@@ -813,4 +879,6 @@ class ElasticLoop:
                                params_norm=transfer.tree_norm(tree), loss=self.last_loss,
                                abandoned_programs=self._runner.abandoned_total,
                                **({"started_early": self.started_early, "left_early": self.left_early}
-                                  if self.pipeline else {}))
+                                  if self.pipeline else {}),
+                               **({"deferred": self.group.deferred, "rolled_back": self.rolled_back}
+                                  if self.commit_every > 1 else {}))

@@ -131,6 +131,8 @@ class ElasticGroup:
         self.platform = jax.devices()[0].platform
         self.generation = 0
         self.target: int | None = None  # the step the current run trains to (set by ElasticTrainer.run)
+        self._defer = False  # the step in progress leaves its commit to the next step's query (defer_commit)
+        self.deferred = 0  # steps whose exit query was left to a later step's (see defer_commit)
         self._previous: dict[int, int] | None = None  # member map of the previous step
         self._synced: dict[int, int] | None = None  # member map the data plane was built for
         self._agreed: dict[int, int] | None = None  # member map of the last committed step
@@ -260,6 +262,20 @@ class ElasticGroup:
             self.hang.phase("between steps")
             _compat.rekey_live_devices(jax.devices())
 
+    def defer_commit(self) -> None:
+        """Inside a :meth:`step` (ready admission) whose body succeeded: leave this step's
+        exit query to the next step's, which then commits both or neither.
+
+        What makes it safe: every member of the step decides alike (the caller's decision
+        must rest on what the members share, see ``ElasticLoop(commit_every=...)``), and a
+        member whose body fails makes its query anyway: the others' next step meets it
+        there, as their next collective fails without it, so every member still makes the
+        same sequence of liveness queries (the service matches them by process set).
+        """
+        if self.admission != "ready":
+            raise ValueError("defer_commit needs ready admission (its steps skip the liveness query at entry)")
+        self._defer = True
+
     @contextlib.contextmanager
     def _ready_step(self) -> Iterator[Members]:
         """The step of ready admission: ``live_devices``' protocol on ``get_live_nodes``, with a
@@ -308,9 +324,17 @@ class ElasticGroup:
         finally:
             if tripwire is not None:
                 tripwire.disarm()
+        defer, self._defer = self._defer, False
         if error is not None and not isinstance(error, Exception):
             self.hang.phase("between steps")
             raise error  # SystemExit (the SIGTERM handler's), KeyboardInterrupt: leaving, not a failed step
+        if defer and error is None:  # the next step's query commits this one too (defer_commit)
+            self.hang.phase("between steps")
+            self.deferred += 1
+            self._agreed = dict(members.incarnations)
+            self._committed = entry
+            self.joining = False
+            return
         try:
             with self._watch("leaving a failed step" if error is not None else "leaving a step",
                              publish=error is not None):

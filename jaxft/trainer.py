@@ -316,7 +316,7 @@ class ElasticTrainer:
         the global batch is cut into (``C`` must divide it; each chunk is one micro-batch of
         ``G/C`` examples, so ``micro_batch`` must be None).
       check_every: every N steps, verify that all members hold bitwise-identical params.
-      min_members, max_attempts, precompile, pipeline: see :class:`~jaxft.ElasticLoop`.
+      min_members, max_attempts, precompile, pipeline, commit_every: see :class:`~jaxft.ElasticLoop`.
     """
 
     def __init__(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, params: PyTree,
@@ -325,7 +325,8 @@ class ElasticTrainer:
                  check_every: int = 0, group: ElasticGroup | None = None,
                  on_commit: Callable[["ElasticTrainer", StepRecord], None] | None = None,
                  min_members: int = 1, max_attempts: int | None = 100, reduction: str = "allreduce",
-                 exact_chunks: int | None = None, precompile: int = 0, pipeline: bool = False):
+                 exact_chunks: int | None = None, precompile: int = 0, pipeline: bool = False,
+                 commit_every: int = 1):
         chunk = _exact_chunk(reduction, exact_chunks, micro_batch, data.global_batch)
         self.reduction, self.exact_chunks = reduction, exact_chunks
         self.loss_fn = loss_fn
@@ -340,7 +341,7 @@ class ElasticTrainer:
                                 micro_batch=micro_batch, stacked=True, check_every=check_every, group=group,
                                 on_commit=hook, min_members=min_members, max_attempts=max_attempts,
                                 chunk=chunk, precompile=precompile, step_takes_votes=reduction != "exact",
-                                pipeline=pipeline)
+                                pipeline=pipeline, commit_every=commit_every)
         self.events, self.faults, self.group = self.loop.events, self.loop.faults, self.loop.group
         self._view: TrainState | None = None  # what `state` returned, and what it was made from
         self._view_src: tuple = ()
@@ -404,7 +405,8 @@ class ElasticTrainer:
         return self.state
 
     def try_step(self) -> StepRecord | None:
-        """One attempt at the next step; None if it failed (nothing was committed)."""
+        """One attempt at the next step: the record of the commit it made, or None if it made
+        none (it failed; or, with ``commit_every``, it ran and its commit is left to a later step)."""
         self._pull_view()
         return self.loop.try_step()
 

@@ -7,6 +7,7 @@
 #   ADMISSION=connect scripts/launch_local.sh   # restarted processes join at once (the others wait)
 #   PRECOMPILE=8 scripts/launch_local.sh        # process 0 compiles the meshes one failure away ahead
 #   PIPELINE=1 scripts/launch_local.sh          # each step's program starts during the last commit
+#   COMMIT_EVERY=5 scripts/launch_local.sh      # one commit query per 5 steps (a divisor of the checkpoints' 10)
 #
 # Creates .venv on first use. Faults: process 0 is killed mid-step at STEPS/10 (the others
 # retry the step without it), the last process dies before step STEPS/6 while process 0 is
@@ -47,6 +48,7 @@ STEPS=${STEPS:-400}
 ADMISSION=${ADMISSION:-ready}
 PRECOMPILE=${PRECOMPILE:-0}  # N: process 0 compiles the one-failure meshes ahead (see docs/design.md)
 PIPELINE=${PIPELINE:-0}  # 1: ElasticTrainer(pipeline=True) (see docs/design.md)
+COMMIT_EVERY=${COMMIT_EVERY:-1}  # N: ElasticTrainer(commit_every=N) (see docs/design.md)
 RUN_DIR=${RUN_DIR:-runs/launch_local-$(date +%Y%m%d-%H%M%S)}
 LAST=$((N - 1))
 
@@ -57,7 +59,8 @@ set +e
   --fault "kill:process=$LAST:step=$((STEPS / 6)):phase=before-step" \
   --fault "kill-all:step=$((7 * STEPS / 10)):phase=after-commit:width=$N" \
   -- .venv/bin/python examples/flax_digits.py --steps "$STEPS" --checkpoint_every 10 --admission "$ADMISSION" \
-     --precompile "$PRECOMPILE" "$([ "$PIPELINE" = 1 ] && echo --pipeline || echo --nopipeline)"
+     --precompile "$PRECOMPILE" "$([ "$PIPELINE" = 1 ] && echo --pipeline || echo --nopipeline)" \
+     --commit_every "$COMMIT_EVERY"
 code=$?
 set -e
 echo

@@ -286,3 +286,22 @@ def stop_with_checkpoint(run: Path, worker: Sequence[str], n: int = 2) -> tuple[
     assert {e["process"] for e in by_event(ev, "checkpoint_saved", step=step)} == set(range(n)), out
     assert {e.get("code") for e in summary(run)["exits"]} == {128 + signal.SIGTERM}
     return ev, step
+
+
+def one_process_shas(tmp_path_factory, *worker: str, absent: str) -> Callable[[int], str]:
+    """``steps -> params_sha256`` of ``MLP WORKER...`` run by one process (each run once, then
+    remembered): the reference of runs that must end with the same bits. ``absent``: a key
+    the reference's ``final`` event must not carry (it runs without the option under test)."""
+    shas: dict[int, str] = {}
+
+    def sha(steps: int) -> str:
+        if steps not in shas:
+            d = tmp_path_factory.mktemp("seq")
+            proc, evts = train(d, MLP, "--steps", str(steps), *worker, n=1)
+            assert proc.returncode == 0, proc.describe()
+            (final,) = finals(evts)
+            assert absent not in final
+            shas[steps] = final["params_sha256"]
+        return shas[steps]
+
+    return sha

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from helpers import (MLP, PYTHON, by_event as of, check_agreed_run, commits_by_step, finals, run_jaxft,
-                     stop_with_checkpoint, too_late_to_rejoin, train)
+from helpers import (MLP, PYTHON, by_event as of, check_agreed_run, commits_by_step, finals, one_process_shas,
+                     run_jaxft, stop_with_checkpoint, too_late_to_rejoin, train)
 
 STEPS = 30
 EXACT = ("--reduction", "exact", "--exact_chunks", "8")
@@ -18,19 +18,7 @@ EXACT = ("--reduction", "exact", "--exact_chunks", "8")
 @pytest.fixture(scope="module")
 def sequential_runs(tmp_path_factory):
     """``steps -> params_sha256`` of the one-process run without pipeline."""
-    shas: dict[int, str] = {}
-
-    def sha(steps: int) -> str:
-        if steps not in shas:
-            d = tmp_path_factory.mktemp("seq")
-            proc, events = train(d, MLP, "--steps", str(steps), *EXACT, n=1)
-            assert proc.returncode == 0, proc.describe()
-            (final,) = finals(events)
-            assert "started_early" not in final  # (logged only with pipeline)
-            shas[steps] = final["params_sha256"]
-        return shas[steps]
-
-    return sha
+    return one_process_shas(tmp_path_factory, *EXACT, absent="started_early")
 
 
 @pytest.fixture

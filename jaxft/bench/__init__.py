@@ -36,6 +36,8 @@ def add_parser(sub) -> None:
                         "plain loop always runs the all-reduce")
     o.add_argument("--pipeline", action="store_true",
                    help="start each step's program before the previous step's commit query (jaxft.ElasticLoop)")
+    o.add_argument("--commit-every", type=int, default=1,
+                   help="one commit query per this many steps (jaxft.ElasticLoop's commit_every)")
     r = which.add_parser("rehydrate", help="state transfer to a joiner vs a TCP loopback copy")
     r.add_argument("-n", type=int, default=2)
     r.add_argument("--mb", type=float, default=100)
@@ -82,10 +84,11 @@ def run(args) -> int:
         from jaxft.bench.overhead import bench_overhead
 
         figures = bench_overhead(args.n, args.steps, args.hidden, args.global_batch, args.admission,
-                                 args.reduction, args.pipeline)
+                                 args.reduction, args.pipeline, args.commit_every)
+        every = figures["commit_every"]
         print(f"per step: elastic {figures['elastic_ms']:.2f} ms, plain {figures['plain_ms']:.2f} ms, "
               f"ratio {figures['ratio']:.3f} ({figures['processes']} processes, {figures['reduction']}"
-              f"{', pipeline' if figures['pipeline'] else ''})")
+              f"{', pipeline' if figures['pipeline'] else ''}{f', a commit every {every} steps' if every > 1 else ''})")
         print(f"floor (plain + one coordination-service round trip per step): {figures['floor_ms']:.2f} ms, "
               f"ratio {figures['floor_ratio']:.3f}")
     elif args.bench == "chaos":

@@ -38,6 +38,8 @@ flags.DEFINE_enum("admission", "ready", ["ready", "connect"],
 flags.DEFINE_integer("keep", 3, "complete checkpoints to keep (max_to_keep; 0: keep all)")
 flags.DEFINE_integer("precompile", 0, "compile the step for each member set one failure away in the "
                      "background while there are at most this many members (0: off; see jaxft.warmup)")
+flags.DEFINE_integer("commit_every", 1, "one commit query per this many steps (jaxft.ElasticLoop's commit_every: "
+                     "a failure undoes the steps since the last commit)", lower_bound=1)
 flags.DEFINE_bool("pipeline", False, "start each step's program before the previous step's commit query "
                   "(jaxft.ElasticLoop's pipeline: the query's round trip hidden behind the program)")
 flags.DEFINE_bool("hold_jax_params", False, "keep the initial params as jax arrays for the whole run, as a "
@@ -116,10 +118,13 @@ def main(argv):
                                          keep=FLAGS.keep or None, runtime=rt, data=data,
                                          metadata={"model": "mlp", "hidden": FLAGS.hidden, "init_seed": FLAGS.seed})
 
-    def on_commit(trainer, record):
+    printed = [-1]
+
+    def on_commit(trainer, record):  # (once per commit: with commit_every, for its last step)
         if ckpt is not None:
             ckpt.on_commit(trainer, record)
-        if record.step % 10 == 0 or record.step == FLAGS.steps - 1:
+        if record.step // 10 > printed[0] // 10 or record.step == FLAGS.steps - 1:  # a line per 10 steps
+            printed[0] = record.step
             print(f"step {record.step:4d} loss {record.loss:.5f} members {list(record.members)}", flush=True)
         if FLAGS.step_sleep:
             time.sleep(FLAGS.step_sleep)
@@ -129,7 +134,8 @@ def main(argv):
                                    reduction=FLAGS.reduction,
                                    exact_chunks=FLAGS.exact_chunks if FLAGS.reduction != "allreduce" else None,
                                    on_commit=on_commit, group=jaxft.ElasticGroup(admission=FLAGS.admission),
-                                   precompile=FLAGS.precompile, pipeline=FLAGS.pipeline)
+                                   precompile=FLAGS.precompile, pipeline=FLAGS.pipeline,
+                                   commit_every=FLAGS.commit_every)
     if ckpt is not None:
         restored = ckpt.restore(trainer)  # cold restore (put off by a restart whose peers train on)
         if restored is not None:

@@ -16,7 +16,7 @@ CHUNKS = 8  # the chunked reductions' chunk count in this bench
 
 
 def worker(steps: int, hidden: int, batch: int, admission: str = "ready", reduction: str = "allreduce",
-           pipeline: bool = False) -> None:
+           pipeline: bool = False, commit_every: int = 1) -> None:
     import jaxft
 
     rt = jaxft.initialize()
@@ -46,7 +46,7 @@ def worker(steps: int, hidden: int, batch: int, admission: str = "ready", reduct
     chunks = None if reduction == "allreduce" else CHUNKS
     trainer = jaxft.ElasticTrainer(loss_fn, tx, params, batches, runtime=rt, reduction=reduction,
                                    exact_chunks=chunks, group=jaxft.ElasticGroup(admission=admission),
-                                   pipeline=pipeline)
+                                   pipeline=pipeline, commit_every=commit_every)
     trainer.group.target = 10 ** 9  # (a step starts early only when the run's end is known)
     for _ in range(3):  # warm up: the first step rebuilds the data plane (and the backend) and compiles
         trainer.try_step()
@@ -92,26 +92,32 @@ def worker(steps: int, hidden: int, batch: int, admission: str = "ready", reduct
     rt.events.log("bench_overhead", elastic_ms=round(el * 1e3, 3), plain_ms=round(pl * 1e3, 3),
                   floor_ms=round(fl * 1e3, 3), ratio=round(el / pl, 4), floor_ratio=round(fl / pl, 4),
                   steps=steps, processes=rt.num_processes, hidden=hidden, global_batch=batch, reduction=reduction,
-                  pipeline=pipeline, started_early=trainer.loop.started_early)
+                  pipeline=pipeline, started_early=trainer.loop.started_early, commit_every=commit_every,
+                  deferred=trainer.group.deferred)
     trainer.group.finish()
 
 
 def bench_overhead(n: int = 2, steps: int = 100, hidden: int = 512, batch: int = 512,
-                   admission: str = "ready", reduction: str = "allreduce", pipeline: bool = False) -> dict:
+                   admission: str = "ready", reduction: str = "allreduce", pipeline: bool = False,
+                   commit_every: int = 1) -> dict:
     """``reduction`` other than the all-reduce cuts the batch in :data:`CHUNKS` chunks."""
+    if commit_every < 1:
+        raise ValueError(f"--commit-every must be >= 1, got {commit_every}")
     if reduction != "allreduce" and batch % CHUNKS:
         raise ValueError(f"--reduction {reduction} cuts the global batch in {CHUNKS} chunks: {batch} is not a "
                          "multiple of it")
     with tempfile.TemporaryDirectory() as run_dir:
-        launch(n, __name__, [str(steps), str(hidden), str(batch), admission, reduction, str(int(pipeline))],
+        launch(n, __name__, [str(steps), str(hidden), str(batch), admission, reduction, str(int(pipeline)),
+                      str(commit_every)],
                run_dir)
         r = result(run_dir, "bench_overhead")
     return {k: r[k] for k in ("elastic_ms", "plain_ms", "floor_ms", "ratio", "floor_ratio", "steps", "processes",
-                              "hidden", "global_batch", "reduction", "pipeline", "started_early")}
+                              "hidden", "global_batch", "reduction", "pipeline", "started_early",
+                              "commit_every", "deferred")}
 
 
 
 
 if __name__ == "__main__":
     worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:6],
-           *(bool(int(a)) for a in sys.argv[6:7]))
+           *(bool(int(a)) for a in sys.argv[6:7]), *(int(a) for a in sys.argv[7:8]))

@@ -133,6 +133,10 @@ class ElasticCheckpointer:
 
     def on_commit(self, trainer, record) -> None:
         """The trainer hook: abandon saves waiting on dead members; save every ``every`` steps."""
+        n = getattr(_loop(trainer), "commit_every", 1)
+        if self.every and self.every % n:  # (it runs once per commit: at multiples of n)
+            raise ValueError(f"every={self.every} is not a multiple of the loop's commit_every={n}: "
+                             "steps between two commits are never seen by on_commit, so some saves would not happen")
         self._last_record = record
         incs = _incarnations(record, trainer)
         self.store.notice_members(record.members, incs)

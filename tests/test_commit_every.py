@@ -1,0 +1,113 @@
+"""``commit_every``: one commit query per N steps, all of them or none committed. Real
+processes, a real coordination service, real SIGKILL.
+
+The exact reduction makes a step's bits independent of the width, so every run here must
+end with the one-process run's ``params_sha256`` (each step committed once, by one commit
+query every 4 steps or by one each)."""
+
+import pytest
+
+from helpers import (MLP, PYTHON, by_event as of, check_agreed_run, commits_by_step, finals, one_process_shas,
+                     stop_with_checkpoint, train)
+
+STEPS = 30
+EXACT = ("--reduction", "exact", "--exact_chunks", "8")
+EVERY = ("--commit_every", "4")
+
+
+@pytest.fixture(scope="module")
+def sequential_runs(tmp_path_factory):
+    """``steps -> params_sha256`` of the one-process run with a commit per step."""
+    return one_process_shas(tmp_path_factory, *EXACT, absent="deferred")
+
+
+@pytest.fixture
+def sequential(sequential_runs):
+    return sequential_runs(STEPS)
+
+
+def deferred_steps(steps: int, every: int) -> list[int]:
+    """The steps of a fault-free run that leave their commit to a later one: all but each
+    N-th, the first (the members are new) and the last (the run's end)."""
+    return [k for k in range(1, steps - 1) if (k + 1) % every]
+
+
+def test_a_run_with_a_commit_every_4_steps_computes_the_same(sequential, tmp_path):
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), *EXACT, *EVERY, n=2)
+    assert proc.returncode == 0, proc.describe()
+    check_agreed_run(events, STEPS, 2)
+    for f in finals(events):
+        assert f["params_sha256"] == sequential
+        assert (f["deferred"], f["rolled_back"]) == (len(deferred_steps(STEPS, 4)), 0), f
+    # each commit's steps are logged when its query answered: in order, each once per process
+    for p in (0, 1):
+        assert [e["step"] for e in of(events, "commit", process=p)] == list(range(STEPS))
+
+
+def test_a_failure_undoes_the_steps_since_the_last_commit_everywhere(sequential, tmp_path):
+    # Every member ran steps 8 and 9, leaving their commit to step 11's query; process 2 is
+    # killed before step 10, whose collective then fails on the others: steps 8 and 9 are
+    # undone on both and run again at width 2.
+    faults = ["kill:process=2:step=10:phase=before-step"]
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), *EXACT, *EVERY, faults=faults)
+    assert proc.returncode == 1, proc.describe()  # process 2 died and was not restarted
+    for p in (0, 1):
+        (rb,) = of(events, "rolled_back", process=p)
+        assert (rb["step"], rb["steps"]) == (8, [8, 9]), rb
+        assert [e["step"] for e in of(events, "commit", process=p)] == list(range(STEPS)), "each step once"
+        assert [e["step"] for e in of(events, "step_failed", process=p)] == [10]
+    for step, commits in commits_by_step(events).items():
+        members = {tuple(c["members"]) for c in commits}
+        assert members == ({(0, 1, 2)} if step < 8 else {(0, 1)}), f"step {step}: {members}"
+    survivors = finals(events)
+    assert sorted(f["process"] for f in survivors) == [0, 1]
+    assert {f["params_sha256"] for f in survivors} == {sequential}, "the undone steps ran again: the same bits"
+    assert all(f["rolled_back"] == 2 for f in survivors), survivors
+
+
+def test_a_restarted_member_rejoins_a_run_with_a_commit_every_4_steps(sequential_runs, tmp_path):
+    # A kill inside step 6's program: the survivors undo steps 4 and 5 (run, not committed)
+    # and go on at width 2; the restarted process is admitted at a commit of its own and
+    # rehydrated from a member's committed state.
+    steps = 100  # (a commit every 4 steps, 0.4 s each: the restarted process has ~10 s to set up)
+    sequential = sequential_runs(steps)
+    faults = ["kill:process=1:step=6:phase=in-step"]
+    proc, events = train(tmp_path, MLP, "--steps", str(steps), *EXACT, *EVERY, "--step_sleep", "0.4",
+                         faults=faults, restart="on-failure")
+    assert proc.returncode == 0, proc.describe()
+    for p in (0, 2):
+        assert [(e["step"], e["steps"]) for e in of(events, "rolled_back", process=p)] == [(4, [4, 5])]
+    (rehydrated,) = of(events, "rehydrated")
+    assert rehydrated["process"] == 1, rehydrated
+    fs = finals(events)
+    assert sorted(f["process"] for f in fs) == [0, 1, 2], fs
+    assert {f["params_sha256"] for f in fs} == {sequential}, fs
+    assert all(f["deferred"] > 0 for f in fs), fs  # (the joiner too, after its admission)
+    commits = commits_by_step(events)
+    assert sorted(commits) == list(range(steps))
+    for step, cs in commits.items():
+        assert len({tuple(c["members"]) for c in cs}) == 1, f"step {step}: members disagree"
+    assert {tuple(c["members"]) for c in commits[steps - 1]} == {(0, 1, 2)}, "the run ends at full width"
+
+
+def test_checkpoints_every_8_steps_are_saved_at_the_commits(tmp_path):
+    proc, events = train(tmp_path, MLP, "--steps", "20", "--hidden", "16", *EVERY, "--checkpoint_every", "8", n=2)
+    assert proc.returncode == 0, proc.describe()
+    saved = {(e["process"], e["step"]) for e in of(events, "checkpoint_saved")}
+    assert saved == {(p, s) for p in (0, 1) for s in (8, 16)}, saved
+
+
+def test_checkpoints_between_commits_are_refused_with_a_clear_error(tmp_path):
+    proc, events = train(tmp_path, MLP, "--steps", "20", "--hidden", "16", *EVERY, "--checkpoint_every", "6", n=2)
+    assert proc.returncode != 0, proc.describe()
+    assert "every=6 is not a multiple of the loop's commit_every=4" in proc.stdout + proc.stderr, proc.describe()
+    assert not of(events, "checkpoint_saved")
+
+
+def test_a_stop_ends_a_run_with_a_commit_every_4_steps_at_one_step_with_its_checkpoint(tmp_path, marker):
+    # SIGTERM: the member asked to stop makes every step commit alone from then on (its vote),
+    # so the agreed stop step is a commit on every member
+    worker = [PYTHON, MLP, "--steps", "400", "--step_sleep", "0.05", "--checkpoint_every", "1000", "--hidden", "16",
+              *EVERY, marker]
+    ev, _ = stop_with_checkpoint(tmp_path / "run", worker)
+    assert not of(ev, "hung") and not of(ev, "abandoned"), ev
