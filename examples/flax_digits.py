@@ -19,7 +19,8 @@ flags.DEFINE_integer("seed", 0, "seed of the init and the data order")
 flags.DEFINE_float("learning_rate", 3e-3, "Adam learning rate")
 flags.DEFINE_integer("micro_batch", 0, "examples per device per micro-batch (0: no accumulation)")
 flags.DEFINE_integer("check_every", 20, "verify bitwise-identical params every N steps")
-flags.DEFINE_float("step_sleep", 0.0, "seconds to sleep after each commit (to stretch demos)")
+flags.DEFINE_float("step_sleep", 0.0, "seconds to sleep per committed step, in on_commit (to stretch demos; "
+                   "with commit_every, once per commit for all its steps)")
 flags.DEFINE_integer("checkpoint_every", 0, "async Orbax checkpoint every K steps (0: off); restores on start")
 flags.DEFINE_string("checkpoint_dir", None, "checkpoint directory (default: $JAXFT_RUN_DIR/checkpoints)")
 flags.DEFINE_integer("precompile", 0, "compile the step for the member sets one failure away in the "
@@ -92,7 +93,7 @@ def main(_):
         ckpt = jaxft.ElasticCheckpointer(resolve_directory(FLAGS.checkpoint_dir), every=FLAGS.checkpoint_every,
                                          runtime=rt, data=data, metadata={"model": "flax_digits_cnn"})
 
-    printed = [-1]
+    printed = [-1, None]  # (the step of the last line printed, of the last commit)
 
     def on_commit(trainer, record):  # (once per commit: with commit_every, for its last step)
         if ckpt is not None:
@@ -100,8 +101,10 @@ def main(_):
         if record.step // 10 > printed[0] // 10:  # a line per 10 steps
             printed[0] = record.step
             print(f"step {record.step:4d} loss {record.loss:.4f} members {list(record.members)}", flush=True)
-        if FLAGS.step_sleep:
-            time.sleep(FLAGS.step_sleep)
+        if FLAGS.step_sleep:  # (the steps this commit made: one each, or those since the last commit)
+            steps = record.step - printed[1] if printed[1] is not None else 1
+            time.sleep(FLAGS.step_sleep * max(steps, 1))
+        printed[1] = record.step
 
     trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params, data, runtime=rt, micro_batch=FLAGS.micro_batch or None,
                                    check_every=FLAGS.check_every, on_commit=on_commit,

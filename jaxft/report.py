@@ -64,6 +64,10 @@ def summarize(events: list[dict]) -> dict[str, Any]:
         "incidents": len(incidents),
         "processes_killed": len(kills),
         "failed_step_attempts": len({e["step"] for e in failed_steps}),
+        # steps run, then undone on a member because a later step of their commit failed
+        # (commit_every): they ran again, as the failed step did
+        "steps_undone": len({(e.get("process"), s) for e in events if e["event"] == "rolled_back"
+                             for s in e.get("steps", ())}),
         "rejoins": len(rehydrated),
         "restores": len(restores),
         "mean_recovery_s": round(sum(recoveries) / len(recoveries), 3) if recoveries else None,
@@ -80,7 +84,8 @@ def format_summary(s: dict[str, Any]) -> str:
     lines = [
         f"steps committed     {s['steps_committed']} (last step {s['last_step']})",
         f"faults injected     {s['faults_injected']} ({s['processes_killed']} processes SIGKILLed)",
-        f"steps retried       {s['failed_step_attempts']}",
+        f"steps retried       {s['failed_step_attempts']}"
+        + (f" (and {s['steps_undone']} run but undone, by process, before their commit)" if s["steps_undone"] else ""),
         f"rejoins             {s['rejoins']} (rehydrated from a live peer)",
         f"checkpoint restores {s['restores']}",
         f"time lost           {s['time_lost_s']} s over {s['incidents']} incidents "

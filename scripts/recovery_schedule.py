@@ -7,7 +7,7 @@ The fault-free run is repeated after the faulty one (``--fault-free-runs 2``, th
 the goodput is taken against the mean of the two: on this 2-core machine the same fault-free
 run took anywhere from 55 to 75 s minutes apart, a drift of several seconds per kill.
 
-    .venv/bin/python scripts/recovery_schedule.py [--admission ready|connect] [--steps 450] [--reduction allreduce64|exact] [--precompile 8] [--pipeline] [--fault-free-runs 1]
+    .venv/bin/python scripts/recovery_schedule.py [--admission ready|connect] [--steps 450] [--reduction allreduce64|exact] [--precompile 8] [--pipeline] [--commit-every N] [--fault-free-runs 1]
 """
 
 import argparse
@@ -24,7 +24,7 @@ from jaxft.events import read_events
 
 
 def run(base: str, name: str, steps: int, admission: str, faults: list[str], reduction: str,
-        precompile: int = 0, pipeline: bool = False) -> dict:
+        precompile: int = 0, pipeline: bool = False, commit_every: int = 1) -> dict:
     run_dir = os.path.join(base, name)
     cmd = [sys.executable, "-m", "jaxft.cli", "launch", "-n", "4", "--run-dir", run_dir, "--restart", "on-failure",
            "--heartbeat-timeout", "3", "--max-restarts", "50"]
@@ -32,7 +32,8 @@ def run(base: str, name: str, steps: int, admission: str, faults: list[str], red
         cmd += ["--fault", f]
     cmd += ["--", sys.executable, "-m", "jaxft.bench.mlp", "--steps", str(steps), "--step_sleep", "0.1",
             "--check_every", "0", "--admission", admission, "--final_params", os.path.join(run_dir, "final"),
-            "--precompile", str(precompile), *reduction_flags(reduction), *(["--pipeline"] if pipeline else [])]
+            "--precompile", str(precompile), *reduction_flags(reduction), *(["--pipeline"] if pipeline else []),
+            "--commit_every", str(commit_every)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{(proc.stdout + proc.stderr)[-4000:]}")
@@ -57,20 +58,21 @@ def main() -> None:
     ap.add_argument("--fault-free-runs", type=int, choices=(1, 2), default=2,
                     help="2: the fault-free run before and after the faulty one, goodput against their mean")
     ap.add_argument("--pipeline", action="store_true", help="mlp --pipeline (jaxft.ElasticLoop) in every run")
+    ap.add_argument("--commit-every", type=int, default=1, help="mlp --commit_every (jaxft.ElasticLoop) in every run")
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="jaxft-issue13-")
     kills = [f"kill:process=1:after={t}s" for t in (12, 24, 36, 48)]
-    ff = run(base, "fault_free", args.steps, args.admission, [], args.reduction, args.precompile, args.pipeline)
-    ft = run(base, "jaxft", args.steps, args.admission, kills, args.reduction, args.precompile, args.pipeline)
+    opts = (args.reduction, args.precompile, args.pipeline, args.commit_every)
+    ff = run(base, "fault_free", args.steps, args.admission, [], *opts)
+    ft = run(base, "jaxft", args.steps, args.admission, kills, *opts)
     refs = [ff]
     if args.fault_free_runs == 2:
-        refs.append(run(base, "fault_free_after", args.steps, args.admission, [], args.reduction, args.precompile,
-                        args.pipeline))
+        refs.append(run(base, "fault_free_after", args.steps, args.admission, [], *opts))
     ref_s = sum(r["train_s"] for r in refs) / len(refs)
     diff = params_diff(ft["params"], ff["params"])
     same_refs = all(params_diff(r["params"], ff["params"])["bitwise_equal"] for r in refs)
     out = {"admission": args.admission, "reduction": args.reduction, "precompile": args.precompile,
-           "pipeline": args.pipeline,
+           "pipeline": args.pipeline, "commit_every": args.commit_every,
            "goodput": round(ref_s / ft["train_s"], 3),
            "lost_per_kill_s": round((ft["train_s"] - ref_s) / len(kills), 3),
            "fault_free_train_s": [r["train_s"] for r in refs],

@@ -8,7 +8,7 @@ query every 4 steps or by one each)."""
 import pytest
 
 from helpers import (MLP, PYTHON, by_event as of, check_agreed_run, commits_by_step, finals, one_process_shas,
-                     stop_with_checkpoint, train)
+                     run_jaxft, stop_with_checkpoint, train)
 
 STEPS = 30
 EXACT = ("--reduction", "exact", "--exact_chunks", "8")
@@ -69,10 +69,10 @@ def test_a_restarted_member_rejoins_a_run_with_a_commit_every_4_steps(sequential
     # A kill inside step 6's program: the survivors undo steps 4 and 5 (run, not committed)
     # and go on at width 2; the restarted process is admitted at a commit of its own and
     # rehydrated from a member's committed state.
-    steps = 100  # (a commit every 4 steps, 0.4 s each: the restarted process has ~10 s to set up)
+    steps = 100  # (0.1 s a step: the restarted process has ~10 s to set up)
     sequential = sequential_runs(steps)
     faults = ["kill:process=1:step=6:phase=in-step"]
-    proc, events = train(tmp_path, MLP, "--steps", str(steps), *EXACT, *EVERY, "--step_sleep", "0.4",
+    proc, events = train(tmp_path, MLP, "--steps", str(steps), *EXACT, *EVERY, "--step_sleep", "0.1",
                          faults=faults, restart="on-failure")
     assert proc.returncode == 0, proc.describe()
     for p in (0, 2):
@@ -111,3 +111,13 @@ def test_a_stop_ends_a_run_with_a_commit_every_4_steps_at_one_step_with_its_chec
               *EVERY, marker]
     ev, _ = stop_with_checkpoint(tmp_path / "run", worker)
     assert not of(ev, "hung") and not of(ev, "abandoned"), ev
+
+
+@pytest.mark.parametrize("args, message", [
+    (("overhead", "--commit-every", "0"), "--commit-every must be >= 1, got 0"),
+    (("chaos", "--commit-every", "3"), "--commit-every 3: must be >= 1 and divide --checkpoint-every 20"),
+])
+def test_the_benches_refuse_a_bad_commit_every_in_one_line(args, message):
+    r = run_jaxft("bench", *args, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.describe()
+    assert f"jaxft bench: error: {message}" in r.stderr, r.describe()

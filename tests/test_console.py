@@ -104,3 +104,18 @@ def test_summary_counts_a_joiners_start_up_restore_as_no_checkpoint_restore():
         _ev(8.0, "run_end", process="launcher")]
     s = summarize(events)
     assert s["rejoins"] == 1 and s["restores"] == 1, s
+
+
+def test_summary_counts_the_steps_a_failure_undid_before_their_commit():
+    from jaxft.report import format_summary, summarize
+
+    events = _healthy_start([0, 1], 2) + [
+        # commit_every: steps 2 and 3 ran on both, step 4 failed, both undid 2 and 3
+        _ev(5.0, "rolled_back", process=0, step=2, steps=[2, 3], why="step 4 did not commit"),
+        _ev(5.0, "rolled_back", process=1, step=2, steps=[2, 3], why="step 4 did not commit"),
+        _ev(5.0, "step_failed", process=0, step=4, failed=[1]),
+        _ev(8.0, "run_end", process="launcher")]
+    s = summarize(events)
+    assert (s["failed_step_attempts"], s["steps_undone"]) == (1, 4), s
+    assert "steps retried       1 (and 4 run but undone, by process, before their commit)" in format_summary(s)
+    assert "undone" not in format_summary(summarize(_healthy_start([0, 1], 2)))

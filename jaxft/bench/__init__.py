@@ -56,6 +56,9 @@ def add_parser(sub) -> None:
                    "chunks): allreduce64 makes the jaxft run's params bitwise equal to the fault-free run's")
     c.add_argument("--pipeline", action="store_true",
                    help="the three runs (and the overhead bench) with mlp --pipeline (jaxft.ElasticLoop)")
+    c.add_argument("--commit-every", type=int, default=1,
+                   help="the three runs (and the overhead bench) with one commit query per this many steps "
+                        "(jaxft.ElasticLoop's commit_every; a divisor of --checkpoint-every)")
     c.add_argument("--checkpoint-every", type=int, default=20)
     c.add_argument("--step-sleep", type=float, default=0.1, help="stretch each step by this many seconds")
     c.add_argument("--seed", type=int, default=0)
@@ -97,7 +100,7 @@ def run(args) -> int:
         figures = bench_chaos(args.n, args.steps, args.kill_every, args.checkpoint_every, args.step_sleep,
                               args.seed, args.keep_dirs, overhead=not args.no_overhead, kills=args.kills,
                               admission=args.admission, precompile=args.precompile, reduction=args.reduction,
-                              pipeline=args.pipeline)
+                              pipeline=args.pipeline, commit_every=args.commit_every)
         print(f"{'':12s} {'goodput':>8s} {'steps lost':>10s} {'recovery s':>10s} {'train s':>8s} "
               f"{'max stall s':>11s} {'min width':>9s}  params vs fault-free")
         for name in ("fault_free", "jaxft", "restart_all"):
@@ -109,7 +112,8 @@ def run(args) -> int:
                   + ("" if f["finals_agree"] else "  (processes disagree!)"))
         print(f"{len(figures['schedule'])} kills; checkpoint every {args.checkpoint_every} steps; "
               f"jaxft admission: {args.admission}, precompile: {args.precompile}; reduction: {args.reduction}"
-              f"{'; pipeline' if args.pipeline else ''}")
+              f"{'; pipeline' if args.pipeline else ''}"
+              f"{f'; a commit every {args.commit_every} steps' if args.commit_every > 1 else ''}")
         if "overhead_ratio" in figures:
             o = figures["overhead"]
             print(f"per-step overhead of jaxft over a plain JAX loop: {o['ratio']:.3f} "

@@ -14,6 +14,7 @@ import tempfile
 import numpy as np
 
 from jaxft.bench.overhead import CHUNKS, bench_overhead
+from jaxft.errors import ConfigError
 from jaxft.events import read_events
 from jaxft.report import first_commits, recovery_times
 
@@ -68,7 +69,7 @@ def run_figures(events: list[dict], steps: int) -> dict:
 def bench_chaos(n: int = 4, steps: int = 300, kill_every: float | None = None, checkpoint_every: int = 20,
                 step_sleep: float = 0.1, seed: int = 0, keep_dirs: str | None = None,
                 overhead: bool = True, kills: int = 5, admission: str = "ready", precompile: int = 8,
-                reduction: str = "allreduce", pipeline: bool = False) -> dict:
+                reduction: str = "allreduce", pipeline: bool = False, commit_every: int = 1) -> dict:
     """The same training three ways: fault-free, jaxft with kills, restart-all with kills.
 
     The kills fall every ``kill_every`` seconds of the fault-free run's training time, or,
@@ -76,16 +77,21 @@ def bench_chaos(n: int = 4, steps: int = 300, kill_every: float | None = None, c
     (``ready``: survivors train on while a restarted process sets up) and ``precompile``
     (:mod:`jaxft.warmup`); so does the fault-free run, the reference of every goodput. The
     restart-all run has no use for either. All three use ``reduction`` (``jaxft.ElasticTrainer``;
-    the chunked ones in :data:`CHUNKS` chunks) and ``pipeline`` (``jaxft.ElasticLoop``), and
+    the chunked ones in :data:`CHUNKS` chunks), ``pipeline`` and ``commit_every`` (``jaxft.ElasticLoop``;
+    ``checkpoint_every`` must then be a multiple of ``commit_every``), and
     each faulty run's final params are compared with the fault-free run's leaf by leaf
     (``params_vs_fault_free``).
     """
     import random
 
+    if commit_every < 1 or checkpoint_every % commit_every:
+        raise ConfigError(f"--commit-every {commit_every}: must be >= 1 and divide --checkpoint-every "
+                         f"{checkpoint_every} (on_commit runs once per commit)")
+
     base = keep_dirs or tempfile.mkdtemp(prefix="jaxft-chaos-")
     worker = ["-m", "jaxft.bench.mlp", "--steps", str(steps), "--step_sleep", str(step_sleep),
               "--checkpoint_every", str(checkpoint_every), "--check_every", "0", *reduction_flags(reduction),
-              *(["--pipeline"] if pipeline else [])]
+              *(["--pipeline"] if pipeline else []), "--commit_every", str(commit_every)]
     params: dict[str, dict[str, np.ndarray]] = {}
 
     def job(name: str, restart: str, faults: list[str], extra: tuple[str, ...] = ()) -> list[dict]:
@@ -128,10 +134,11 @@ def bench_chaos(n: int = 4, steps: int = 300, kill_every: float | None = None, c
     figures["schedule"] = schedule
     figures["config"] = {"processes": n, "steps": steps, "kill_every_s": kill_every, "kills": len(schedule),
                          "admission": admission, "precompile": precompile, "reduction": reduction, "pipeline": pipeline,
+                         "commit_every": commit_every,
                          "checkpoint_every": checkpoint_every, "step_sleep_s": step_sleep, "seed": seed,
                          "run_dirs": base if keep_dirs else None}
     if overhead:
-        figures["overhead"] = bench_overhead(n=2, pipeline=pipeline)
+        figures["overhead"] = bench_overhead(n=2, pipeline=pipeline, commit_every=commit_every)
         figures["overhead_ratio"] = figures["overhead"]["ratio"]
     if not keep_dirs:
         import shutil

@@ -28,7 +28,8 @@ flags.DEFINE_integer("check_every", 10, "verify bitwise-identical params every N
 flags.DEFINE_integer("hidden", 64, "hidden width")
 flags.DEFINE_float("learning_rate", 1e-2, "Adam learning rate")
 flags.DEFINE_integer("num_examples", 4096, "dataset size")
-flags.DEFINE_float("step_sleep", 0.0, "seconds to sleep after each commit (to stretch demos)")
+flags.DEFINE_float("step_sleep", 0.0, "seconds to sleep per committed step, in on_commit (to stretch demos; "
+                   "with commit_every, once per commit for all its steps)")
 flags.DEFINE_integer("checkpoint_every", 0, "async Orbax checkpoint every K committed steps (0: off); "
                      "on start, restore the latest complete checkpoint if there is one")
 flags.DEFINE_string("checkpoint_dir", None, "checkpoint directory (default: $JAXFT_RUN_DIR/checkpoints)")
@@ -118,7 +119,7 @@ def main(argv):
                                          keep=FLAGS.keep or None, runtime=rt, data=data,
                                          metadata={"model": "mlp", "hidden": FLAGS.hidden, "init_seed": FLAGS.seed})
 
-    printed = [-1]
+    printed = [-1, None]  # (the step of the last line printed, of the last commit)
 
     def on_commit(trainer, record):  # (once per commit: with commit_every, for its last step)
         if ckpt is not None:
@@ -126,8 +127,10 @@ def main(argv):
         if record.step // 10 > printed[0] // 10 or record.step == FLAGS.steps - 1:  # a line per 10 steps
             printed[0] = record.step
             print(f"step {record.step:4d} loss {record.loss:.5f} members {list(record.members)}", flush=True)
-        if FLAGS.step_sleep:
-            time.sleep(FLAGS.step_sleep)
+        if FLAGS.step_sleep:  # (the steps this commit made: one each, or those since the last commit)
+            steps = record.step - printed[1] if printed[1] is not None else 1
+            time.sleep(FLAGS.step_sleep * max(steps, 1))
+        printed[1] = record.step
 
     trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params, data, runtime=rt,
                                    micro_batch=FLAGS.micro_batch or None, check_every=FLAGS.check_every,

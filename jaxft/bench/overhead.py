@@ -11,6 +11,7 @@ import tempfile
 import time
 
 from jaxft.bench._jobs import launch, result
+from jaxft.errors import ConfigError
 
 CHUNKS = 8  # the chunked reductions' chunk count in this bench
 
@@ -102,9 +103,9 @@ def bench_overhead(n: int = 2, steps: int = 100, hidden: int = 512, batch: int =
                    commit_every: int = 1) -> dict:
     """``reduction`` other than the all-reduce cuts the batch in :data:`CHUNKS` chunks."""
     if commit_every < 1:
-        raise ValueError(f"--commit-every must be >= 1, got {commit_every}")
+        raise ConfigError(f"--commit-every must be >= 1, got {commit_every}")
     if reduction != "allreduce" and batch % CHUNKS:
-        raise ValueError(f"--reduction {reduction} cuts the global batch in {CHUNKS} chunks: {batch} is not a "
+        raise ConfigError(f"--reduction {reduction} cuts the global batch in {CHUNKS} chunks: {batch} is not a "
                          "multiple of it")
     with tempfile.TemporaryDirectory() as run_dir:
         launch(n, __name__, [str(steps), str(hidden), str(batch), admission, reduction, str(int(pipeline)),
