@@ -368,7 +368,8 @@ class ElasticTrainer:
     # -- state --------------------------------------------------------------------------
     @property
     def state(self) -> TrainState:
-        """The committed state (assigning to its fields changes what the next step starts from)."""
+        """The committed state (assigning to its fields changes what the next step starts from);
+        with ``commit_every``, that of the last step run, which may still be pending (``loop.pending``)."""
         src = (self.loop.step, self.loop.state["params"], self.loop.state["opt_state"])
         if self._view is None or not self._same(self._view_src, src):
             self._view, self._view_src = TrainState(*src), src
