@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Sequence
 
-from jaxft import bench, report
+from jaxft import bench, crashloop, report
 from jaxft.coordinator import DEFAULT_HEARTBEAT_TIMEOUT, Coordinator, serve_forever
 from jaxft.errors import Error, LaunchError
 from jaxft.launcher import RESTART_POLICIES, LaunchConfig, Launcher, detect_gpus
@@ -44,6 +44,10 @@ def _add_launch(sub) -> None:
                    help="restart a dead worker with the same process id (default: never)")
     p.add_argument("--restart-delay", type=float, default=0.0, help="seconds to wait before a restart")
     p.add_argument("--max-restarts", type=int, default=10, help="restarts allowed per process")
+    p.add_argument("--max-setup-crashes", type=int, default=crashloop.DEFAULT_LIMIT, metavar="K",
+                   help="stop restarting a process whose last K lives each crashed before committing a step "
+                        f"with the same exit status (a set-up bug, not a fault; default {crashloop.DEFAULT_LIMIT}, "
+                        "0: no limit)")
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="inject a fault, e.g. kill:process=1:step=5[:phase=after-grad], "
                         "kill-all:step=13, stop:process=2:step=7, kill:process=0:after=4.5s")
@@ -138,7 +142,8 @@ def _launch(args, parser) -> int:
     elif gpus is not None:
         gpus = gpus[:n]
     config = LaunchConfig(num_processes=n, command=command, restart=args.restart,
-                          max_restarts=args.max_restarts, faults=args.fault, run_dir=args.run_dir,
+                          max_restarts=args.max_restarts, max_setup_crashes=args.max_setup_crashes,
+                          faults=args.fault, run_dir=args.run_dir,
                           heartbeat_timeout=args.heartbeat_timeout,
                           collective_timeout=args.collective_timeout, port=args.port, bind=args.bind,
                           gpus=gpus, grace_s=args.grace,

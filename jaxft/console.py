@@ -56,6 +56,7 @@ class Incident:
     rejoins: list[str] = dataclasses.field(default_factory=list)
     restored: dict[int, tuple[int, float]] = dataclasses.field(default_factory=dict)  # process -> (step, s)
     restart_all: bool = False
+    gave_up: dict[int, int] = dataclasses.field(default_factory=dict)  # process -> crashes alike (not restarted)
     resumed_at: float | None = None  # first commit of a new step after a cold restart
 
     def story(self, ended: bool = False) -> str:
@@ -71,7 +72,7 @@ class Incident:
             parts.append(f"{n} member{'s' if n != 1 else ''} retried step {step} in {secs:.1f} s")
         if self.restart_all:
             parts.append("all processes restarted (--restart all)")
-        down = set(self.deaths) - self.back
+        down = set(self.deaths) - self.back - set(self.gave_up)
         late = down & self.pending if ended else set()  # restarted; the run ended before they rejoined
         restored = {p: r for p, r in self.restored.items() if p not in late}
         if restored:
@@ -84,6 +85,9 @@ class Incident:
         if late:
             parts.append(f"{_procs(late)} restarted; the run ended before {'it' if len(late) == 1 else 'they'} "
                          "could rejoin")
+        if self.gave_up:
+            parts.append(f"{_procs(self.gave_up)} crashed {max(self.gave_up.values())} times in a row before "
+                         "a commit: not restarted")
         if down - late and not self.restart_all:
             parts.append(f"{_procs(down - late)} did not come back")
         return "; ".join(parts)
@@ -123,6 +127,10 @@ class RunTracker:
             self._exit(e, t, p)
         elif kind == "restart" and self.open is not None and isinstance(p, int):
             self.open.pending.add(p)
+        elif kind == "crash_loop" and isinstance(p, int):
+            inc = self._incident(t)
+            inc.pending.discard(p)
+            inc.gave_up[p] = int(e.get("crashes", 0))
         elif kind == "step_failed" and self.open is not None:
             self.open.failed_steps.add(int(e["step"]))
         elif kind == "rehydrated" and self.open is not None:
@@ -215,6 +223,16 @@ class RunTracker:
                 f"elapsed {_fmt_time(elapsed)} | ETA {_fmt_time(eta)}")
 
 
+def crash_loop_message(e: dict) -> str:
+    """The launcher's line for a ``crash_loop`` event (:mod:`jaxft.crashloop`)."""
+    how = f"exit code {e['code']}" if e.get("code") is not None else str(e.get("signal"))
+    what = ("stopping the job (--restart all restarts every worker or none)" if e.get("restart") == "all"
+            else "not restarting it")
+    return (f"process {e.get('process')} crashed {e.get('crashes')} times in a row before committing a step, "
+            f"each time with {how}: a restart repeats it, {what}; see its output "
+            "(--max-setup-crashes sets the limit, 0 turns this off)")
+
+
 class Console:
     """The launcher's output: worker streams, its own messages, and (mode ``progress``) the
     progress line and incident stories tailed from ``events.jsonl``."""
@@ -229,7 +247,10 @@ class Console:
         self.progress_every = progress_every
         self.tracker = RunTracker(num_processes)
         self._lock = threading.Lock()
-        self._tails: dict[int, collections.deque] = {}
+        # (process, incarnation) -> its last lines; per life, as a restart starts before the
+        # previous life's exit is drained from the events
+        self._tails: dict[tuple[int, int], collections.deque] = {}
+        self._shown: dict[int, tuple[int, list[str]]] = {}  # process -> (life, last lines) last shown
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._offset = 0
@@ -280,8 +301,7 @@ class Console:
                     self.out.flush()
             stream.close()
             return
-        tail = self._tails.setdefault(process, collections.deque(maxlen=TAIL_LINES))
-        tail.clear()
+        tail = self._tails.setdefault((process, incarnation), collections.deque(maxlen=TAIL_LINES))
         os.makedirs(self.logs_dir, exist_ok=True)
         path = os.path.join(self.logs_dir, f"process-{process}.incarnation-{incarnation}.log")
         with open(path, "ab") as f:
@@ -348,6 +368,8 @@ class Console:
                 self._print(f"[jaxft] incident: {story}")
             if e.get("event") == "exit":
                 self._maybe_show_tail(e)
+            elif e.get("event") == "crash_loop":
+                self._print(f"[jaxft] {crash_loop_message(e)}")
             elif e.get("event") == "interrupted":
                 self._print(f"[jaxft] received {e.get('signal')}; stopping all workers")
 
@@ -356,9 +378,15 @@ class Console:
         code = e.get("code")
         if code in (None, 0) or e.get("reason") in EXPECTED_EXIT_REASONS or not isinstance(e.get("process"), int):
             return
-        p = e["process"]
-        tail = list(self._tails.get(p, ()))
-        where = self.log_path(p, int(e.get("incarnation", 0)))
+        p, life = e["process"], int(e.get("incarnation", 0))
+        tail = list(self._tails.pop((p, life), ()))
+        where = self.log_path(p, life)
+        before = self._shown.get(p)
+        if before is not None and tail and before[1] == tail:  # a crash repeated: once is enough
+            self._print(f"[jaxft] process {p} exited with code {code}; the same last lines as incarnation "
+                        f"{before[0]} ({where})")
+            return
+        self._shown[p] = (life, tail)
         self._print(f"[jaxft] process {p} exited with code {code}; its last lines ({where}):")
         for line in tail:
             self._print(f"    | {line}")

@@ -22,7 +22,7 @@ EVENTS_FILE = "events.jsonl"
 
 logger = logging.getLogger(__name__)
 WARNING_EVENTS = frozenset({"step_failed", "checkpoint_abandoned", "checkpoint_rejected",
-                            "checkpoint_data_mismatch", "hung"})
+                            "checkpoint_data_mismatch", "hung", "crash_loop"})
 INFO_EVENTS = frozenset({"exit", "fault", "join", "rehydrated", "restored", "restore_deferred", "checkpoint_saved",
                          "final", "launch", "restart", "run_start", "run_end", "interrupted", "data_plane"})
 

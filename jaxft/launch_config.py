@@ -7,6 +7,7 @@ import os
 import shutil
 from typing import Sequence
 
+from jaxft import crashloop
 from jaxft.cluster import interface_problem
 from jaxft.console import CONSOLE_MODES
 from jaxft.errors import LaunchError, TimeoutsError
@@ -24,6 +25,7 @@ class LaunchConfig:
     command: Sequence[str]
     restart: str = "never"
     max_restarts: int = 10
+    max_setup_crashes: int = crashloop.DEFAULT_LIMIT  # lives in a row crashing before a commit; 0: no limit
     faults: Sequence[str] = ()
     run_dir: str | None = None
     heartbeat_timeout: int | None = None  # shortcuts for --timeout heartbeat=S / collective=S
@@ -77,6 +79,8 @@ class LaunchConfig:
             raise LaunchError("--restart-delay must be >= 0")
         if self.max_restarts < 0:
             raise LaunchError("--max-restarts must be >= 0")
+        if self.max_setup_crashes < 0:
+            raise LaunchError("--max-setup-crashes must be >= 0 (0: no limit)")
         if any(t is not None and t < 1 for t in (self.heartbeat_timeout, self.collective_timeout)):
             raise LaunchError("--heartbeat-timeout and --collective-timeout must be >= 1 second")
         if self.gpus is not None and len(self.gpus) != self.num_processes:

@@ -25,8 +25,8 @@ import threading
 import time
 from typing import Iterator, TextIO
 
-from jaxft import deaths, envvars, faults, priority
-from jaxft.console import Console
+from jaxft import crashloop, deaths, envvars, faults, priority
+from jaxft.console import Console, crash_loop_message
 from jaxft.coordinator import Coordinator, wait_reachable
 from jaxft.errors import EXIT_CONFIG_ERROR, LaunchError
 from jaxft.events import EventLog
@@ -78,6 +78,7 @@ class Launcher:
         self.events = EventLog(config.run_dir, "launcher", 0)
         self.exits: list[dict] = []
         self._lost_since: float | None = None  # when the external coordinator stopped answering
+        self._setup_crashes: crashloop.SetupFailures | None = None  # set with the state dir (_run_workers)
 
     # -- output -------------------------------------------------------------------------
     def say(self, text: str) -> None:
@@ -199,6 +200,7 @@ class Launcher:
         c = self.config
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         fault_dir = _fault_dir()
+        self._setup_crashes = crashloop.SetupFailures(fault_dir, c.max_setup_crashes)
         exit_code = 1
         try:
             where = f"node {c.node_rank} of {c.nnodes}: " if c.nnodes > 1 else ""
@@ -294,9 +296,15 @@ class Launcher:
                     deaths.record(fault_dir, w.process_id, w.incarnation)
                 if code == EXIT_HUNG:
                     self.events.log("hung", process=w.process_id, incarnation=w.incarnation, source="launcher")
+                crashes = self._setup_crashes.record(w.process_id, w.incarnation, code)
                 if code == EXIT_CONFIG_ERROR:
                     w.done = True  # a configuration error is not a fault: restarting repeats it
                     self.console.warn(f"process {w.process_id} stopped on a configuration error; not restarting it")
+                elif c.restart != "never" and self._setup_crashes.tripped(w.process_id):
+                    w.done = True  # a set-up that crashes alike life after life: a restart repeats it
+                    self._say_crash_loop(w, code, crashes)
+                    if c.restart == "all":  # the job restarts as a whole or not at all
+                        return 1
                 elif code != 0 and c.restart == "all" and self._restarts_left():
                     self._restart_everyone(w, now)
                 elif code != 0 and c.restart == "on-failure" and w.restarts < c.max_restarts:
@@ -306,6 +314,13 @@ class Launcher:
             if all(w.done and w.restart_at is None for w in self.workers):
                 return 0 if all(w.returncode == 0 for w in self.workers) else 1
             time.sleep(0.05)
+
+    def _say_crash_loop(self, w: _Worker, code: int, crashes: int) -> None:
+        """Log ``crash_loop``; the console shows it after the exit's last lines (progress), or now (raw)."""
+        how = {"code": code} if code >= 0 else {"signal": signal.Signals(-code).name}
+        e = self.events.log("crash_loop", process=w.process_id, incarnation=w.incarnation, crashes=crashes,
+                            restart=self.config.restart, source="launcher", **how)
+        self.say(crash_loop_message(e))
 
     def _kill_the_rest(self, rule: faults.FaultRule, fired: float) -> None:
         """A ``kill-all`` fired in the members at its step: SIGKILL every local worker that was

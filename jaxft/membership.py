@@ -34,7 +34,7 @@ from jax.experimental import multihost_utils
 from jax.extend import backend as jax_backend
 from jax.sharding import Mesh
 
-from jaxft import _compat, admission as admission_lib, breaker, deaths as deaths_lib, envvars, kv, lives, priority
+from jaxft import _compat, admission as admission_lib, breaker, crashloop, deaths as deaths_lib, envvars, kv, lives, priority
 from jaxft import rendezvous
 from jaxft import timeouts as timeouts_lib
 from jaxft.errors import BarrierTimeout, StepFailed
@@ -254,6 +254,7 @@ class ElasticGroup:
                 with self._watch("leaving a step"):
                     cm.__exit__(None, None, None)
                 self._agreed = dict(members.incarnations)
+                crashloop.mark_committed()
         except multihost_utils.ProcessFailureError as e:
             if members is not None:
                 self._taint()
@@ -352,6 +353,7 @@ class ElasticGroup:
         self._agreed = dict(members.incarnations)
         self._committed = exit_
         self.joining = False
+        crashloop.mark_committed()  # for the launcher's crash-loop guard (once per life)
 
     @contextlib.contextmanager
     def _deaths_cancel(self, cancel: threading.Event, members: Sequence[int]) -> Iterator[None]:

@@ -92,6 +92,24 @@ def test_a_failing_worker_shows_its_last_lines(tmp_path):
     assert "process 0 exited" not in r.stdout
 
 
+def test_each_life_shows_its_own_last_lines_and_a_crash_loop_is_told_once(tmp_path):
+    # lives 0 and 1 fail alike, life 2 otherwise, 3-5 alike again: the guard stops it after 5
+    code = ("import os, sys\nlife = int(os.environ['JAXFT_INCARNATION'])\n"
+            "print('life', life if life == 2 else 'any', flush=True)\nsys.exit(4 if life == 2 else 3)")
+    r = launch(1, [PYTHON, "-c", code], "--restart", "on-failure", run_dir=tmp_path, console="progress", timeout=60)
+    assert r.returncode == 1, r.describe()
+    shown = [l.split(";")[1].split("(")[0].strip() for l in r.stdout.splitlines() if " exited with code " in l]
+    assert shown == ["its last lines", "the same last lines as incarnation 0", "its last lines",
+                     "its last lines", "the same last lines as incarnation 3",
+                     "the same last lines as incarnation 3"], r.stdout
+    lines = r.stdout.splitlines()
+    assert [l for l in lines if l.startswith("    | ")] == ["    | life any", "    | life 2", "    | life any"]
+    loop = [i for i, l in enumerate(lines) if "crashed 3 times in a row before committing a step" in l]
+    assert len(loop) == 1 and loop[0] > max(i for i, l in enumerate(lines) if "exited with code" in l), r.stdout
+    assert ("[jaxft] incident: process 0 failed at step 0 (exit code 3); process 0 crashed 3 times in a row "
+            "before a commit: not restarted") in lines, r.stdout
+
+
 def test_summary_counts_a_joiners_start_up_restore_as_no_checkpoint_restore():
     from jaxft.report import summarize
 

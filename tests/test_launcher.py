@@ -139,7 +139,8 @@ def test_one_worker_fails_restart_never(run_dir):
 def test_always_failing_worker_restarted_max_times(run_dir):
     code = ("import os, sys; e = os.environ; print('incarnation', e['JAXFT_INCARNATION']); "
             "sys.exit(3 if e['JAXFT_PROCESS_ID'] == '1' else 0)")
-    r = launch(2, py(code), "--restart", "on-failure", "--max-restarts", "2", run_dir=run_dir, timeout=60)
+    r = launch(2, py(code), "--restart", "on-failure", "--max-restarts", "2", "--max-setup-crashes", "0",
+               run_dir=run_dir, timeout=60)
     assert r.returncode == 1, r.describe()
     s = summary(run_dir)
     assert s["restarts"] == {"0": 0, "1": 2}
