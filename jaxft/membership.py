@@ -34,7 +34,8 @@ from jax.experimental import multihost_utils
 from jax.extend import backend as jax_backend
 from jax.sharding import Mesh
 
-from jaxft import _compat, admission as admission_lib, breaker, crashloop, deaths as deaths_lib, envvars, kv, lives, priority
+from jaxft import _compat, admission as admission_lib, breaker, crashloop, deaths as deaths_lib, envvars, kv, lives
+from jaxft import priority
 from jaxft import rendezvous
 from jaxft import timeouts as timeouts_lib
 from jaxft.errors import BarrierTimeout, StepFailed
