@@ -375,11 +375,10 @@ class Console:
 
     def _maybe_show_tail(self, e: dict) -> None:
         """A worker that exited with an error code (not a signal, not on purpose): its last lines."""
-        code = e.get("code")
-        if code in (None, 0) or e.get("reason") in EXPECTED_EXIT_REASONS or not isinstance(e.get("process"), int):
+        code, p, life = e.get("code"), e.get("process"), int(e.get("incarnation", 0))
+        tail = list(self._tails.pop((p, life), ()))  # the life is over: its lines are no longer kept
+        if code in (None, 0) or e.get("reason") in EXPECTED_EXIT_REASONS or not isinstance(p, int):
             return
-        p, life = e["process"], int(e.get("incarnation", 0))
-        tail = list(self._tails.pop((p, life), ()))
         where = self.log_path(p, life)
         before = self._shown.get(p)
         if before is not None and tail and before[1] == tail:  # a crash repeated: once is enough

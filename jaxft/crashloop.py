@@ -26,13 +26,15 @@ import os
 import signal
 
 from jaxft import envvars
+from jaxft.hang import EXIT_HUNG
 
 logger = logging.getLogger(__name__)
 
 SUBDIR = "committed"
 DEFAULT_LIMIT = 3  # `jaxft launch --max-setup-crashes`
-# exit codes of a worker that gave up on its peers, not of a broken set-up (membership, hang)
-_NOT_CRASHES = (75, 76)
+# exit codes of a worker that gave up on its peers, not of a broken set-up: membership's
+# EXIT_BARRIER_TIMEOUT (75; membership imports jax, the launcher must not) and EXIT_HUNG
+_NOT_CRASHES = (75, EXIT_HUNG)
 _CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGFPE, signal.SIGILL})
 
 _marked = False
@@ -50,17 +52,21 @@ def mark_committed() -> None:
     if not state_dir or life is None or pid is None:
         return
     try:
-        d = os.path.join(state_dir, SUBDIR)
-        os.makedirs(d, exist_ok=True)
-        with open(os.path.join(d, f"{pid}-{life}"), "w"):
+        path = _path(state_dir, pid, life)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w"):
             pass
     except OSError as e:  # the launcher then counts a crash of this life as a set-up crash: say so
         logger.warning("could not mark this life's first commit in %s: %s", state_dir, e)
 
 
+def _path(state_dir: str, process_id: int | str, incarnation: int | str) -> str:
+    return os.path.join(state_dir, SUBDIR, f"{process_id}-{incarnation}")
+
+
 def committed(state_dir: str, process_id: int, incarnation: int) -> bool:
     """Launcher side: whether ``process_id``'s launcher incarnation ``incarnation`` committed a step."""
-    return os.path.exists(os.path.join(state_dir, SUBDIR, f"{process_id}-{incarnation}"))
+    return os.path.exists(_path(state_dir, process_id, incarnation))
 
 
 def is_crash(returncode: int) -> bool:

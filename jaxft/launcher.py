@@ -45,6 +45,11 @@ EXIT_REASONS = {EXIT_CONFIG_ERROR: "configuration error", EXIT_HUNG: "hung: it s
                 75: "gave up waiting at a barrier (Timeouts.barrier)"}
 
 
+def _exit_status(code: int) -> dict:
+    """An exit status as event fields: ``code`` (exited) or ``signal`` (its name; killed)."""
+    return {"code": code} if code >= 0 else {"signal": signal.Signals(-code).name}
+
+
 @dataclasses.dataclass
 class _Worker:
     process_id: int
@@ -162,7 +167,7 @@ class Launcher:
 
     def _record_exit(self, worker: _Worker, code: int, reason: str | None = None) -> None:
         reason = reason or EXIT_REASONS.get(code)
-        fields = {"code": code} if code >= 0 else {"signal": signal.Signals(-code).name}
+        fields = _exit_status(code)
         if reason:
             fields["reason"] = reason
         self.exits.append({"process": worker.process_id, "incarnation": worker.incarnation, **fields})
@@ -317,9 +322,8 @@ class Launcher:
 
     def _say_crash_loop(self, w: _Worker, code: int, crashes: int) -> None:
         """Log ``crash_loop``; the console shows it after the exit's last lines (progress), or now (raw)."""
-        how = {"code": code} if code >= 0 else {"signal": signal.Signals(-code).name}
         e = self.events.log("crash_loop", process=w.process_id, incarnation=w.incarnation, crashes=crashes,
-                            restart=self.config.restart, source="launcher", **how)
+                            restart=self.config.restart, source="launcher", **_exit_status(code))
         self.say(crash_loop_message(e))
 
     def _kill_the_rest(self, rule: faults.FaultRule, fired: float) -> None:
