@@ -15,7 +15,8 @@ from jaxft.coordinator import Coordinator
 from jaxft.errors import (BarrierAbandoned, BarrierTimeout, CheckpointError, CheckpointMismatch,
                           CheckpointRejected, ConfigError, ConsistencyError, CoordinatorError, Error,
                           FaultSpecError, InitializeError, LaunchError, RetryBudgetExceeded, SaveAbandoned,
-                          StepFailed, TimeoutsError, TooFewMembers, UnsupportedOrbax)
+                          StateMismatch, StepFailed, TimeoutsError, TooFewMembers, UncommittedSave,
+                          UnsupportedOrbax)
 from jaxft.events import EventLog, read_events
 from jaxft.faults import FaultInjector, FaultRule, parse_rules
 from jaxft.launcher import LaunchConfig, Launcher
@@ -61,5 +62,5 @@ __all__ = [
     "BarrierAbandoned", "BarrierTimeout", "CheckpointError", "CheckpointMismatch", "CheckpointRejected",
     "ConfigError", "ConsistencyError", "Coordinator", "CoordinatorError", "Error", "EventLog", "FaultInjector", "FaultRule", "FaultSpecError",
     "InitializeError", "LaunchConfig", "LaunchError", "Launcher", "PyTree", "RetryBudgetExceeded", "Runtime",
-    "SaveAbandoned", "StepFailed", "Timeouts", "TimeoutsError", "TooFewMembers", "UnsupportedOrbax", "initialize", "parse_rules", "read_events", *_WHERE,
+    "SaveAbandoned", "StateMismatch", "StepFailed", "Timeouts", "TimeoutsError", "TooFewMembers", "UncommittedSave", "UnsupportedOrbax", "initialize", "parse_rules", "read_events", *_WHERE,
 ]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
+import struct
 from typing import Any, Iterator, Mapping, Sequence
 
 from jaxft.errors import InitializeError
@@ -98,6 +100,60 @@ def start_service(address: str, num_processes: int, *, heartbeat_timeout: int, s
                                                 shutdown_timeout=int(shutdown_timeout), recoverable=True)
 
 
+def create_key(client: Any, key: str, value: str) -> bool:
+    """Create ``key`` = ``value`` in the key-value store unless it exists; whether this call did.
+
+    ``key_value_set(..., allow_overwrite=False)`` is the service's first-writer-wins insert:
+    of concurrent callers exactly one creates the key, so every caller then reads one value.
+    A key that exists raises ``JaxRuntimeError`` whose status (the message's first word) is
+    ``ALREADY_EXISTS``; neither a typed error nor a return value says so (no API). Every
+    other error (the service unreachable) propagates.
+    """
+    try:
+        client.key_value_set(key, value, allow_overwrite=False)
+    except Exception as e:  # noqa: BLE001 - told apart by its status below
+        if str(e).lstrip().startswith("ALREADY_EXISTS"):
+            return False
+        raise
+    return True
+
+
+def client_factory() -> Any:
+    """``jax._src.lib._jax.get_distributed_runtime_client`` (private: see :func:`retire_life`)."""
+    from jax._src.lib import _jax
+
+    return _jax.get_distributed_runtime_client
+
+
+def retire_life(address: str, process_id: int, timeout_s: float = 2.0) -> None:
+    """Give ``process_id`` a new incarnation in the coordination service at ``address``, at once.
+
+    A process the launcher saw exit is dead, but the service counts it alive until its
+    heartbeat times out, and a liveness query that it entered before dying can still
+    complete with it in the answer, unchanged. Members that left such a query on the
+    launcher's word and asked again without it would then disagree with a member that came
+    late to it (one commits the step, the others do not). Registering a new incarnation of
+    the dead process (a client that connects as it, then shuts down) makes every later
+    answer name that new incarnation: whoever gets one sees the dead life gone. The new
+    incarnation sends no heartbeat and is declared dead in turn, or replaced by the real
+    restart when that connects.
+
+    A jax client that meets an error terminates its process: :mod:`jaxft.retire` calls this
+    in a helper process of the launcher, never in the launcher itself.
+
+    Private: ``jax._src.lib._jax.get_distributed_runtime_client`` (:func:`client_factory`), the
+    client factory behind ``jax.distributed.initialize``; no public way to act for another
+    process exists.
+    """
+    client = client_factory()(address, int(process_id), init_timeout=max(1, int(timeout_s)),
+                              heartbeat_timeout=max(1, int(timeout_s)), shutdown_on_destruction=False)
+    client.connect()
+    try:
+        client.shutdown()
+    except Exception as e:  # noqa: BLE001 - the new incarnation is registered: that is what counts
+        logger.debug("retiring process %d's life: shutdown: %s", process_id, e)
+
+
 # -- the CPU backend's rendezvous keys ---------------------------------------------------------
 
 # Keys the CPU (gloo) backend writes into the coordination service's key-value store, once
@@ -117,6 +173,32 @@ def delete_stale_cpu_keys(client: Any, *, topology: bool) -> None:
     client.key_value_delete(GLOO_KEY_PREFIX)
     if topology:
         client.key_value_delete(GLOBAL_TOPOLOGY_KEY)
+
+
+def gloo_listen_address(value: bytes) -> tuple[bytes, int] | None:
+    """``(packed IP, port)`` that the gloo rendezvous value ``value`` advertises: where the
+    process that wrote it listens for its gloo peers (None if it does not parse).
+
+    Private: gloo's rank record (``gloo/rendezvous``), which XLA's CPU collectives write
+    under :data:`GLOO_KEY_PREFIX`: a length-prefixed host name, then a length-prefixed
+    transport address (the TCP transport's ``sockaddr_storage`` and a sequence number), then
+    pair identifiers; lengths are native 64-bit integers. No API names the listener. The
+    breaker tells gloo's connections by it (``tests/test_breaker.py`` checks that it still
+    ends a collective).
+    """
+    try:
+        (name_len,) = struct.unpack_from("=Q", value, 0)
+        (addr_len,) = struct.unpack_from("=Q", value, 8 + name_len)
+        addr = value[16 + name_len:16 + name_len + addr_len]
+        (family,) = struct.unpack_from("=H", addr, 0)
+        (port,) = struct.unpack_from("!H", addr, 2)
+    except struct.error:
+        return None
+    if family == socket.AF_INET and len(addr) >= 8:
+        return addr[4:8], port
+    if family == socket.AF_INET6 and len(addr) >= 24:
+        return addr[8:24], port
+    return None
 
 
 def delete_global_topology_key(client: Any) -> None:

@@ -30,11 +30,12 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from jaxft import kv
+from jaxft.votes import HOLD, READY
 from jaxft.errors import BarrierTimeout
 from jaxft.timeouts import Timeouts
 
@@ -75,11 +76,6 @@ def started_without(process_id: int, every_s: float = 0.25) -> Callable[[], bool
     return check
 
 
-READY = 1  # a member's vote: this joiner announced it is ready
-NOT_AHEAD = 1  # a member's vote in its own slot (pipeline, jaxft.loop): start no step early next
-HOLD = 1 << 20  # a member's vote: admit nobody at this step. The votes are summed over the
-# devices (jaxft.loop: one all-reduce with the step's); any sum >= HOLD has a hold in it, as
-# the ready votes add up to at most the number of devices.
 
 
 def held(votes: np.ndarray, members: Sequence[int]) -> np.ndarray:
@@ -134,10 +130,12 @@ class ReadyWatcher:
                     v[p] = READY
         return v
 
-    def admit(self, joiners: Sequence[int], barrier_pids: Sequence[int]) -> None:
-        """Write the admission keys of ``joiners`` and consume their ready keys."""
+    def admit(self, joiners: Sequence[int], barrier_pids: Sequence[int], members: Mapping[int, int]) -> None:
+        """Write the admission keys of ``joiners`` (the next step's barrier, when, and the
+        admitting ``members``' lives) and consume their ready keys."""
         c = kv.client()
-        value = ",".join(str(p) for p in sorted(barrier_pids)) + f";{time.time():.6f}"
+        value = (",".join(str(p) for p in sorted(barrier_pids)) + f";{time.time():.6f};"
+                 + json.dumps({str(p): int(i) for p, i in members.items()}))
         with self._lock:
             nonces = {p: self._seen.pop(p, None) for p in joiners}
         for p, nonce in nonces.items():
@@ -204,9 +202,10 @@ class Joiner:
     def _ready_key(self) -> str:
         return f"{READY_PREFIX}{self.process_id}/{self.nonce}"
 
-    def wait_admitted(self, members_gone_s: float | None = None) -> tuple[list[int], float] | None:
-        """Block until the members admit this process; returns the barrier's process ids and
-        when they were admitting it (all of them alive then). None if the members stopped
+    def wait_admitted(self, members_gone_s: float | None = None) -> tuple[list[int], float, dict[int, int]] | None:
+        """Block until the members admit this process; returns the barrier's process ids, when
+        they were admitting it (all of them alive then) and the admitting members' lives
+        (process -> incarnation). None if the members stopped
         meanwhile: no heartbeat of the newest member list's members moved for ``members_gone_s`` (they all
         died; then this process withdraws its announcement and starts cold with the others'
         restarts, rather than wait for an admission that cannot come)."""
@@ -218,8 +217,9 @@ class Joiner:
             try:
                 value = c.blocking_key_value_get(key, int(self.poll_s * 1000))
                 c.key_value_delete(key)
-                pids, _, when = value.partition(";")
-                return [int(p) for p in pids.split(",") if p], float(when or time.time())
+                pids, when, members = (value.split(";", 2) + ["", ""])[:3]
+                return ([int(p) for p in pids.split(",") if p], float(when or time.time()),
+                        {int(p): int(i) for p, i in json.loads(members or "{}").items()})
             except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED: not yet
                 if "DEADLINE" not in str(e) and "timed out" not in str(e).lower():
                     raise

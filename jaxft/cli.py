@@ -51,7 +51,11 @@ def _add_launch(sub) -> None:
     p.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="inject a fault, e.g. kill:process=1:step=5[:phase=after-grad], "
                         "kill-all:step=13, stop:process=2:step=7, kill:process=0:after=4.5s")
-    p.add_argument("--run-dir", default=None, help="events.jsonl and summary.json go here")
+    p.add_argument("--run-dir", default=None,
+                   help="events.jsonl, summary.json, logs/ and the workers' $JAXFT_RUN_DIR (checkpoints, "
+                        "compilation cache); default: $JAXFT_RUNS_DIR (or ./jaxft-runs)/PROGRAM-HASH, named "
+                        "after the worker command and the working directory, so that a relaunch of the same "
+                        "command resumes there")
     p.add_argument("--heartbeat-timeout", type=int, default=None,
                    help=f"seconds without heartbeats before a worker counts as dead (default {Timeouts.heartbeat:g})")
     p.add_argument("--collective-timeout", type=int, default=None,
@@ -76,7 +80,7 @@ def _add_launch(sub) -> None:
                         "ElasticCheckpointer), then exit; raise --grace to leave time for the write")
     p.add_argument("--console", choices=("progress", "raw"), default="progress",
                    help="progress (default): worker output to RUN_DIR/logs/, a progress line, one line per "
-                        "incident and a summary (a temporary run dir when --run-dir is not given); "
+                        "incident and a summary; "
                         "raw: every worker line on the console, prefixed with its process id")
     p.add_argument("--verbose", "-v", action="store_true", help="same as --console raw")
     p.add_argument("--progress-every", type=float, default=10.0,

@@ -315,10 +315,15 @@ class Console:
         return os.path.join(self.logs_dir or "", f"process-{process}.incarnation-{incarnation}.log")
 
     # -- the progress thread --------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, run_dir_note: str = "") -> None:
+        """Say where the run dir is (with ``run_dir_note``: always; else in mode progress) and
+        start the progress line (mode progress)."""
         if not self.progress:
+            if run_dir_note:
+                self.say(f"run dir {self.run_dir}{run_dir_note}")
             return
-        self._print(f"[jaxft] run dir {self.run_dir}; worker output in {self.logs_dir}/")
+        self._print(f"[jaxft] run dir {self.run_dir}{run_dir_note}; worker output in {self.logs_dir}/")
+        self._offset = self._events_size()  # a relaunch into a used run dir tells only its own story
         # The launcher's own native stderr (the coordination service's C++ log lines) goes to
         # logs/launcher.log until close(); Python-level errors are printed after close().
         os.makedirs(self.logs_dir, exist_ok=True)
@@ -346,6 +351,15 @@ class Console:
             elif now - last_plain >= self.progress_every:
                 last_plain = now
                 self._print(f"[jaxft] {self.tracker.line(now)}")
+
+    def _events_size(self) -> int:
+        """How many bytes ``events.jsonl`` holds now (the events of earlier launches)."""
+        if not self.run_dir:
+            return 0
+        try:
+            return os.path.getsize(os.path.join(self.run_dir, "events.jsonl"))
+        except OSError:
+            return 0
 
     def _drain(self) -> None:
         if not self.run_dir:

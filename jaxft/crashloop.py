@@ -21,14 +21,10 @@ that crashes ``limit`` times in a row the same way is stopped too.
 
 from __future__ import annotations
 
-import logging
-import os
 import signal
 
-from jaxft import envvars
+from jaxft import lifemarks
 from jaxft.hang import EXIT_HUNG
-
-logger = logging.getLogger(__name__)
 
 SUBDIR = "committed"
 DEFAULT_LIMIT = 3  # `jaxft launch --max-setup-crashes`
@@ -42,31 +38,18 @@ _marked = False
 
 def mark_committed() -> None:
     """Worker side: record that this life committed a step. Once per life; a no-op outside
-    ``jaxft launch`` (no state dir) and after the first call."""
+    ``jaxft launch`` (no state dir) and after the first call. If the mark cannot be written,
+    the launcher counts a crash of this life as a set-up crash (a warning says so)."""
     global _marked
     if _marked:
         return
     _marked = True
-    state_dir, life = os.environ.get(envvars.FAULT_STATE_DIR), os.environ.get(envvars.INCARNATION)
-    pid = os.environ.get(envvars.PROCESS_ID)
-    if not state_dir or life is None or pid is None:
-        return
-    try:
-        path = _path(state_dir, pid, life)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w"):
-            pass
-    except OSError as e:  # the launcher then counts a crash of this life as a set-up crash: say so
-        logger.warning("could not mark this life's first commit in %s: %s", state_dir, e)
-
-
-def _path(state_dir: str, process_id: int | str, incarnation: int | str) -> str:
-    return os.path.join(state_dir, SUBDIR, f"{process_id}-{incarnation}")
+    lifemarks.mark(SUBDIR, "this life's first commit")
 
 
 def committed(state_dir: str, process_id: int, incarnation: int) -> bool:
     """Launcher side: whether ``process_id``'s launcher incarnation ``incarnation`` committed a step."""
-    return os.path.exists(_path(state_dir, process_id, incarnation))
+    return lifemarks.marked(state_dir, SUBDIR, process_id, incarnation)
 
 
 def is_crash(returncode: int) -> bool:

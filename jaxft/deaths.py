@@ -135,9 +135,11 @@ class DeathWatch:
         return {p for p in pids if p in rec and p in self.since and rec[p] > self.since[p][1]}
 
     def live_nodes(self, query: Callable[[list[int]], Mapping[Any, Any]], pids: Sequence[int],
-                   expect: Collection[int] = (), give_up: Callable[[], bool] | None = None) -> dict[int, int]:
+                   expect: Collection[int] = (), give_up: Callable[[], bool] | None = None,
+                   lives: Mapping[int, int] | None = None, since: float | None = None) -> dict[int, int]:
         """``query(pids)`` (a ``get_live_nodes`` barrier), re-asked without any process the
-        launcher records dead while waiting, until an answer names every process asked.
+        launcher records dead while waiting, until an answer names every process asked (with
+        the incarnation ``lives`` gives, for those it names).
 
         The service matches liveness queries by their process set alone, so every member
         must make the same sequence of queries. A member that re-asks without a dead process
@@ -146,7 +148,12 @@ class DeathWatch:
         its *next* query over that set (the next step's) would complete the re-asker's, one
         query out of step (both then wait for each other for ever: seen when a process died
         during the first step). So an answer smaller than its query is always confirmed by
-        one more query over the answer: re-askers and confirmers meet in the same query.
+        one more query over the answer: re-askers and confirmers meet in the same query. So is
+        an answer that names a process of ``lives`` with another incarnation (its life ended:
+        the launcher gives a process it saw die a new incarnation before it records the
+        death, see :func:`jaxft._compat.retire_life`): a member that came late to a query the
+        others left on that record gets such an answer from the query they left, and its
+        confirmation meets their new query (without it, it committed the step they failed).
 
         An abandoned query stays open in the service, this process counted in, until every
         live process of its set has asked: if the dead process's next life joins a later
@@ -154,47 +161,60 @@ class DeathWatch:
         would complete the old query alone and leave the members' new one waiting for it
         for ever. So a query over a set with an abandoned one waits on that one instead
         (the service counts this process in already), and takes its answer if the answer
-        came with the joiners in it.
+        came with the joiners in it, after ``since`` (when they were admitted: a late member
+        may have completed the old query long before, naming another life).
 
         ``give_up()`` (checked while waiting) abandons the query and raises :class:`GaveUp`.
         """
         pids = sorted(pids)
         while True:
-            answer = self._ask_once(query, pids, expect, give_up)
+            answer = self._ask_once(query, pids, expect, give_up, since)
             asked = sorted(answer.pop(_ASKED))
-            if sorted(answer) == asked:
+            same = [p for p in answer if lives is None or p not in lives or answer[p] == lives[p]]
+            if sorted(answer) == asked and len(same) == len(answer):
                 return answer
-            pids = sorted(answer)  # confirm the smaller set (see above)
+            pids = sorted(same)  # confirm the survivors (see above)
 
     def _ask_once(self, query, pids: list[int], expect: Collection[int],
-                  give_up: Callable[[], bool] | None) -> dict:
+                  give_up: Callable[[], bool] | None, since: float | None = None) -> dict:
         """One answer, re-asking without dead processes; the answer carries the set last asked."""
         if not self.state_dir and give_up is None:
             return {**{int(p): int(i) for p, i in query(pids).items()}, _ASKED: pids}
         while True:
-            future = self._reuse(tuple(pids), expect) or _ask(query, pids)
+            future = self._reuse(tuple(pids), expect, since) or _ask(query, pids)
             gone: set[int] = set()
             while True:
                 try:
                     answer = future.result(timeout=self.poll_s * 4)
-                    return {**{int(p): int(i) for p, i in answer.items()}, _ASKED: pids}
                 except concurrent.futures.TimeoutError:
                     gone = self.dead(pids)
-                    if gone:
+                    if gone and not future.done():  # (an answer that came meanwhile is taken)
                         break
-                    if give_up is not None and give_up():
-                        self._abandoned[tuple(pids)] = future
+                    if give_up is not None and give_up() and not future.done():
+                        self._abandon(tuple(pids), future)
                         raise GaveUp(pids)
-            self._abandoned[tuple(pids)] = future
+                    continue
+                return {**{int(p): int(i) for p, i in answer.items()}, _ASKED: pids}
+            self._abandon(tuple(pids), future)
             pids = [p for p in pids if p not in gone]
 
-    def _reuse(self, key: tuple[int, ...], expect: Collection[int]) -> concurrent.futures.Future | None:
-        """The abandoned query over ``key`` if it is still open, or answered with the new lives
-        of ``expect`` in it (an answer naming a life seen before is an old query's: reusing it
-        would leave this process one query out of step with the others)."""
+    def _abandon(self, key: tuple[int, ...], future: concurrent.futures.Future) -> None:
+        """Leave ``future``'s query (still open in the service, this process counted in); note
+        when it completes, for :meth:`_reuse`."""
+        future.add_done_callback(lambda f: setattr(f, "done_at", time.monotonic()))
+        self._abandoned[key] = future
+
+    def _reuse(self, key: tuple[int, ...], expect: Collection[int],
+               since: float | None = None) -> concurrent.futures.Future | None:
+        """The abandoned query over ``key`` if it is still open, or answered after ``since`` with
+        the new lives of ``expect`` in it (an answer naming a life seen before, or completed
+        before the joiners were admitted, is an old query's: reusing it would leave this
+        process one query out of step with the others)."""
         future = self._abandoned.pop(key, None)
         if future is None or not future.done():
             return future
+        if since is not None and getattr(future, "done_at", since) < since:
+            return None
         try:
             answer = future.result()
         except Exception:  # noqa: BLE001 - a failed old query: ask again

@@ -26,6 +26,10 @@ TIMEOUTS = "JAXFT_TIMEOUTS"  # "name=seconds,..." (see jaxft.timeouts.Timeouts)
 GLOO_INTERFACE = "JAXFT_GLOO_INTERFACE"  # network interface CPU collectives (gloo) use, e.g. "eth0"
 GLOO_HOSTNAME = "JAXFT_GLOO_HOSTNAME"  # or the hostname/address gloo advertises
 CHECKPOINT_ON_STOP = "JAXFT_CHECKPOINT_ON_STOP"  # "1": on SIGTERM, agree on a step, save, then exit
+# Read by the launcher itself: "0" stops it from retiring a dead worker's life in the service
+# (jaxft._compat.retire_life), as happens where it cannot (another node's agent died with it):
+# for tests of the members' own guard, the step votes
+RETIRE_LIVES = "JAXFT_RETIRE_LIVES"
 
 
 def peers_may_run(environ: Mapping[str, str]) -> bool | None:

@@ -106,5 +106,16 @@ class CheckpointMismatch(CheckpointError, ConfigError):
     """An intact checkpoint of a different model (other tree structure, shapes or dtypes)."""
 
 
+class StateMismatch(ConfigError):
+    """A process's state has another structure than the running members' (another model or
+    optimizer): it is refused before any state moves, and exits as a configuration error."""
+
+
+class UncommittedSave(CheckpointError, ConfigError):
+    """``save()`` called while the loop holds steps it ran but has not committed (``commit_every``):
+    they may still be undone, so they are never saved. A program error, not a fault: a worker
+    stops on it (exit 78) rather than repeat it life after life."""
+
+
 class SaveAbandoned(BarrierAbandoned):
     """A save gave up waiting for a member that died."""

@@ -24,7 +24,12 @@ A fault spec is ``ACTION:key=value:...``:
   that admits it, after the rebuild's barriers, before anything else: fires in the joiner,
   with the step it holds); ``restore-deferred`` (a restarted process put off its checkpoint
   restore because its peers train on, :meth:`jaxft.ElasticCheckpointer.restore`; ``step`` is
-  the one it holds, 0 after a restart).
+  the one it holds, 0 after a restart); ``in-commit`` (the step's commit query has been sent
+  and the process waits in it: the rule fires from a timer 0.1 s after the query is handed
+  to its thread, so that the query has reached the service); ``admitting`` (a member that
+  has just admitted joiners, which enter at the next step; ``step=K`` fires at the first
+  admission from step K on, whatever step that is); ``during-rebuild`` (inside a CPU
+  data-plane rebuild, between its two barriers; ``step=K``: the first rebuild from step K on).
 * ``kill:process=3:step=20:width=4`` -- ``width=N``: at the first step from 20 on whose
   members number N (at ``before-step``: the last committed step's, none right after a
   failed attempt): a story that waits for a rejoin, whatever this machine's speed.
@@ -49,7 +54,9 @@ from jaxft.errors import FaultSpecError
 
 ACTIONS = ("kill", "kill-all", "stop", "hang")
 PHASES = ("before-step", "in-step", "after-grad", "after-commit", "before-save", "during-save", "during-rehydrate",
-          "during-restore", "admitted", "restore-deferred")
+          "during-restore", "admitted", "restore-deferred", "in-commit", "admitting", "during-rebuild")
+FROM_STEP_PHASES = ("admitting", "during-rebuild")  # step=K: "at the first such point from step K on"
+IN_COMMIT_DELAY_S = 0.1  # an in-commit rule fires this long after the query is handed to its thread
 DEFAULT_PHASE = "after-grad"
 
 
@@ -238,19 +245,32 @@ class FaultInjector:
         jaxft runs differently (started early, :class:`jaxft.ElasticLoop`'s ``pipeline``)
         then keeps every fault point where the rules expect it."""
         for rule in self.rules:
-            if rule.step is None or (step != rule.step if rule.width is None else step < rule.step):
+            if rule.step is None or (step != rule.step if rule.width is None and rule.phase not in FROM_STEP_PHASES
+                                     else step < rule.step):
                 continue
             if self.state_dir is None or not os.path.exists(os.path.join(self.state_dir, rule.marker(self.process_id))):
                 return False  # (a rule that fired in this process never fires again)
         return True
+
+    def _matches(self, rule: FaultRule, step: int) -> bool:
+        if rule.width is not None:
+            return step >= rule.step and self.width == rule.width
+        return step >= rule.step if rule.phase in FROM_STEP_PHASES else step == rule.step
+
+    def point_soon(self, phase: str, step: int, delay_s: float = IN_COMMIT_DELAY_S) -> None:
+        """:meth:`point` from a timer thread ``delay_s`` from now, if a rule may fire there (for
+        a phase where the process waits in a call, such as ``in-commit``)."""
+        if any(r.phase == phase and self._matches(r, step) for r in self.rules):
+            timer = threading.Timer(delay_s, self.point, (phase, step))
+            timer.daemon = True
+            timer.start()
 
     def point(self, phase: str, step: int) -> None:
         """Fire every rule that matches ``(phase, step)`` and has not fired yet."""
         if phase not in PHASES:
             raise ValueError(f"unknown fault phase {phase!r}; expected one of {PHASES}")
         for rule in self.rules:
-            if rule.phase != phase or (step != rule.step if rule.width is None
-                                       else step < rule.step or self.width != rule.width):
+            if rule.phase != phase or not self._matches(rule, step):
                 continue
             if rule.action == "kill-all" and (t := fired_at(self.state_dir, rule)) is not None and t < self.born:
                 continue  # the job died there before this process started: once per run

@@ -1,4 +1,4 @@
-"""Helpers on the coordination service: bounded barriers, the run-finished flag, and the
+"""Helpers on the coordination service: bounded barriers and the
 liveness signals that membership and checkpointing share.
 
 Everything here goes through the ``jax.distributed`` client (reached via
@@ -22,7 +22,11 @@ from jaxft.timeouts import Timeouts
 
 logger = logging.getLogger(__name__)
 
-FINISHED_KEY = "jaxft/finished"
+
+# A barrier instance's outcome, one key beside its arrivals: created once, first writer wins.
+DECISION = "decision"
+PASS = "pass"
+ABANDONED = "abandoned: "
 
 
 def client() -> Any:
@@ -37,22 +41,6 @@ def try_get(key: str, c: Any | None = None) -> str | None:
         return (c if c is not None else client()).key_value_try_get(key)
     except Exception:  # noqa: BLE001
         return None
-
-
-# -- the run-finished flag ---------------------------------------------------------------------
-
-ANY_STEP = "*"
-
-
-def mark_finished(step: int | None = None) -> None:
-    """Tell late joiners the run is over (at ``step``; None: whatever they wait for)."""
-    client().key_value_set(FINISHED_KEY, ANY_STEP if step is None else str(int(step)), allow_overwrite=True)
-
-
-def finished_value() -> str | None:
-    """What :func:`mark_finished` wrote (None if nothing, or the service is unreachable)."""
-    return try_get(FINISHED_KEY)
-
 
 
 # -- liveness: a heartbeat in the key-value store ----------------------------------------------
@@ -142,6 +130,14 @@ class KVBarrier:
     and raises :class:`~jaxft.errors.BarrierTimeout` after ``timeout_ms`` (which the
     caller takes from ``timeouts.<timeout_name>``). Every message that such a bound ends names it.
 
+    Every member of one barrier instance (``<namespace>/<key>/<n>``) gets the same outcome:
+    its decision key ``<namespace>/<key>/<n>/decision`` is created once, first writer wins,
+    with ``pass`` by a member that saw every arrival, or ``abandoned: <why>`` by one that gives
+    up (for any of the reasons above); each member follows what it reads there. So a member
+    that arrived and then gave up while the last one arrived passes with the others, or they
+    are all abandoned with it (a member that gave up on its own reason but finds another's
+    ``abandoned`` raises :attr:`abandoned_error` with that reason).
+
     Arrival keys outlive their writer, so a member that arrived and then died does not
     block the others. Subclasses adapt it to a caller through two hooks,
     :meth:`_arriving` and :meth:`_passed`.
@@ -216,13 +212,72 @@ class KVBarrier:
                     f"({self.timeouts.describe(self.dead_after)})")
         return None
 
-    def _cancelled(self, key: str, missing: set[int] | None) -> Exception:
-        """The error of a barrier whose ``cancel`` is set: the dead the canceller named
+    def _cancel_reason(self, missing: set[int] | None) -> str:
+        """Why a barrier whose ``cancel`` is set gives up: the dead the canceller named
         (:class:`jaxft.deaths.Canceller`), else those still missing, else no names."""
         dead = getattr(self.cancel, "dead", None) or missing
         if dead:
-            return self.abandoned_error(f"barrier {key}: processes {sorted(dead)} died before arriving")
-        return self.abandoned_error(f"barrier {key}: {self.what} abandoned")
+            return f"processes {sorted(dead)} died before arriving"
+        return f"{self.what} abandoned"
+
+    def _cancelled(self, key: str, missing: set[int] | None) -> Exception:
+        """The error of a barrier whose ``cancel`` is set (see :meth:`_cancel_reason`)."""
+        return self.abandoned_error(f"barrier {key}: {self._cancel_reason(missing)}")
+
+    def _poll(self, c: Any, base: str) -> tuple[set[int], str | None]:
+        """The processes that arrived at the barrier instance ``base`` and its decision (None
+        while undecided), in one read; learns the arrivals' heartbeat nonces."""
+        arrived: set[int] = set()
+        decision = None
+        for k, v in c.key_value_dir_get(base):
+            name = k.rstrip("/").rsplit("/", 1)[-1]
+            if name == DECISION:
+                decision = v
+                continue
+            p = int(name)
+            arrived.add(p)
+            with self._lock:
+                self.nonces.setdefault(p, v)
+        return arrived, decision
+
+    def _give_up(self, c: Any, missing: set[int], timeout_ms: int,
+                 deadline: float) -> tuple[type[Exception], str] | None:
+        """Why to stop waiting for ``missing`` (the error type and the reason), or None."""
+        if self.cancel.is_set():
+            return self.abandoned_error, self._cancel_reason(missing)
+        given_up = c.key_value_dir_get(f"{self.namespace}/abandoned/")
+        if given_up:
+            k, why = given_up[0]
+            return self.abandoned_error, f"process {k.rstrip('/').rsplit('/', 1)[-1]} abandoned the {self.what} ({why})"
+        now = time.monotonic()
+        for p in sorted(missing):
+            why = self._dead(c, p, now)
+            if why is not None:
+                return self.abandoned_error, why
+        if now > deadline:
+            return BarrierTimeout, (f"processes {sorted(missing)} did not arrive within {timeout_ms / 1000:.0f} s "
+                                    f"({self.timeouts.describe(self.timeout_name)})")
+        return None
+
+    def _decide(self, c: Any, base: str, wanted: str) -> tuple[str, bool]:
+        """The instance's decision, and whether it is this process's: ``wanted`` if this process
+        creates the decision key first, else what the first writer put there (so every member
+        gets one outcome)."""
+        if _compat.create_key(c, base + DECISION, wanted):
+            return wanted, True
+        decided = try_get(base + DECISION, c)
+        if decided is None:  # (deleted meanwhile, or the service unreachable)
+            logger.warning("barrier %s: cannot read its decision; going by this process's own (%s)", base, wanted)
+            return wanted, True
+        return decided, False
+
+    def _follow(self, key: str, n: int, decision: str) -> None:
+        """Pass (``decision`` is :data:`PASS`), or raise :attr:`abandoned_error` with the reason
+        of the member that decided to give up."""
+        if decision == PASS:
+            self._passed(key, n)
+            return
+        raise self.abandoned_error(f"barrier {key}: {decision.removeprefix(ABANDONED)}")
 
     def __call__(self, *, key: str, timeout_ms: int) -> None:
         if self.processes <= {self.me}:
@@ -242,31 +297,20 @@ class KVBarrier:
         delay = self.poll_s
         try:
             while True:
-                arrived = set()
-                for k, v in c.key_value_dir_get(base):
-                    p = int(k.rstrip("/").rsplit("/", 1)[-1])
-                    arrived.add(p)
-                    with self._lock:
-                        self.nonces.setdefault(p, v)
+                arrived, decision = self._poll(c, base)
                 missing = self.processes - arrived
-                if not missing:
-                    self._passed(key, n)
+                if decision is None and not missing:
+                    decision, _ = self._decide(c, base, PASS)
+                elif decision is None:
+                    give_up = self._give_up(c, missing, timeout_ms, deadline)
+                    if give_up is not None:
+                        error, why = give_up
+                        decision, mine = self._decide(c, base, f"{ABANDONED}{why[:300]} (process {self.me} gave up)")
+                        if mine:
+                            raise error(f"barrier {key}: {why}")
+                if decision is not None:
+                    self._follow(key, n, decision)
                     return
-                if self.cancel.is_set():
-                    raise self._cancelled(key, missing)
-                given_up = c.key_value_dir_get(f"{self.namespace}/abandoned/")
-                if given_up:
-                    k, why = given_up[0]
-                    raise self.abandoned_error(f"barrier {key}: process {k.rstrip('/').rsplit('/', 1)[-1]} "
-                                               f"abandoned the {self.what} ({why})")
-                now = time.monotonic()
-                for p in sorted(missing):
-                    why = self._dead(c, p, now)
-                    if why is not None:
-                        raise self.abandoned_error(f"barrier {key}: {why}")
-                if now > deadline:
-                    raise BarrierTimeout(f"barrier {key}: processes {sorted(missing)} did not arrive within "
-                                         f"{timeout_ms / 1000:.0f} s ({self.timeouts.describe(self.timeout_name)})")
                 time.sleep(delay)
                 delay = min(delay * 1.5, self.max_poll_s)
         except (self.abandoned_error, TimeoutError) as e:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
+import re
 import shutil
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from jaxft import crashloop
 from jaxft.cluster import interface_problem
@@ -15,6 +18,9 @@ from jaxft.faults import FaultRule, parse_rules
 from jaxft.timeouts import Timeouts
 
 RESTART_POLICIES = ("never", "on-failure", "all")
+RUNS_DIR_ENV = "JAXFT_RUNS_DIR"  # where the run dirs of launches without --run-dir go
+DEFAULT_RUNS_DIR = "jaxft-runs"  # ... when it is not set: under the working directory
+_PYTHON_OPTIONS_WITH_VALUE = ("-W", "-X")  # python -X importtime train.py
 
 
 @dataclasses.dataclass
@@ -104,7 +110,7 @@ class LaunchConfig:
         if self.grace_s < 0:
             raise LaunchError(f"--grace must be >= 0, got {self.grace_s:g}")
         if self.run_dir is not None:
-            _check_run_dir(self.run_dir)
+            check_run_dir(self.run_dir)
         if self.gloo_interface and (problem := interface_problem(self.gloo_interface)):
             raise LaunchError(f"--gloo-interface: {problem}")
         self.resolved_timeouts()
@@ -119,11 +125,50 @@ class LaunchConfig:
         return rules
 
 
-def _check_run_dir(run_dir: str) -> None:
-    """Create ``run_dir`` (or find it) and make sure it is a writable directory."""
+def default_run_dir(command: Sequence[str], cwd: str | None = None,
+                    environ: Mapping[str, str] = os.environ) -> str:
+    """The run dir of a launch without ``--run-dir``: ``<runs>/<program>-<hash>``, where
+    ``<runs>`` is ``$JAXFT_RUNS_DIR`` or ``./jaxft-runs`` and ``<hash>`` the first 12 hex
+    digits of the SHA-256 of the working directory and the worker command.
+
+    Deterministic, so that a relaunch of the same command from the same directory finds its
+    events and checkpoints (``$JAXFT_RUN_DIR/checkpoints``) and resumes, where a fresh
+    temporary directory per launch could not; another command gets another one."""
+    cwd = os.path.realpath(cwd or os.getcwd())
+    key = json.dumps([cwd, [os.fspath(a) for a in command]])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    runs = environ.get(RUNS_DIR_ENV) or DEFAULT_RUNS_DIR
+    return os.path.join(runs, f"{_program_name(command)}-{digest}")
+
+
+def _program_name(command: Sequence[str]) -> str:
+    """A readable name for a command's run dir: the script or module a Python command runs
+    (``train`` for ``python train.py``, ``pkg.mod`` for ``python -m pkg.mod``), else the
+    program's own name."""
+    words = [os.fspath(a) for a in command]
+    name = os.path.basename(words[0]) if words else "run"
+    if re.fullmatch(r"python[0-9.]*", name):
+        rest = iter(words[1:])
+        for word in rest:
+            if word == "-m":
+                name = next(rest, name)
+                break
+            if word == "-c" or word == "-":
+                break
+            if word in _PYTHON_OPTIONS_WITH_VALUE:
+                next(rest, None)
+            elif not word.startswith("-"):
+                name = os.path.splitext(os.path.basename(word))[0]
+                break
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)[:40].strip("._") or "run"
+
+
+def check_run_dir(run_dir: str, what: str = "--run-dir", hint: str = "") -> None:
+    """Create ``run_dir`` (or find it) and make sure it is a writable directory; ``what``
+    names it in the error, ``hint`` ends it."""
     try:
         os.makedirs(run_dir, exist_ok=True)
     except OSError as e:
-        raise LaunchError(f"--run-dir {run_dir!r}: cannot create it ({e.strerror or e})") from None
+        raise LaunchError(f"{what} {run_dir!r}: cannot create it ({e.strerror or e}){hint}") from None
     if not os.path.isdir(run_dir) or not os.access(run_dir, os.W_OK | os.X_OK):
-        raise LaunchError(f"--run-dir {run_dir!r} is not a writable directory")
+        raise LaunchError(f"{what} {run_dir!r} is not a writable directory{hint}")

@@ -3,8 +3,9 @@
 Hosts the coordination service (single node, or the agent given ``--host-coordinator``)
 or connects its workers to one elsewhere (``--coordinator HOST:PORT``), starts this
 node's workers with their environment (global process ids ``node_rank * K + local``, one
-GPU each on a GPU node), prefixes their output with the process id, restarts dead
-workers by policy, fires launcher-side faults (``kill:process=0:after=3s``) for its own
+GPU each on a GPU node), prefixes their output with the process id, records a dead
+worker's death for the others at once and kills what it left in its process group, restarts
+dead workers by policy, fires launcher-side faults (``kill:process=0:after=3s``) for its own
 processes, and on Ctrl-C / SIGTERM ends every child, escalating to SIGKILL after a
 bound. Children also get ``PR_SET_PDEATHSIG`` so that even a SIGKILLed launcher leaves
 no orphans.
@@ -20,18 +21,17 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Iterator, TextIO
 
-from jaxft import crashloop, deaths, envvars, faults, priority
+from jaxft import crashloop, deaths, envvars, faults, priority, retire
 from jaxft.console import Console, crash_loop_message
 from jaxft.coordinator import Coordinator, wait_reachable
 from jaxft.errors import EXIT_CONFIG_ERROR, LaunchError
 from jaxft.events import EventLog
 from jaxft.hang import EXIT_HUNG
-from jaxft.launch_config import RESTART_POLICIES, LaunchConfig
+from jaxft.launch_config import RESTART_POLICIES, LaunchConfig, check_run_dir, default_run_dir
 from jaxft.procs import _fault_dir, _is_stopped, _set_pdeathsig, detect_gpus
 
 __all__ = ["Launcher", "LaunchConfig", "LaunchError", "RESTART_POLICIES", "detect_gpus"]
@@ -40,6 +40,10 @@ __all__ = ["Launcher", "LaunchConfig", "LaunchError", "RESTART_POLICIES", "detec
 # same failure (it still imports); see Launcher._member_may_run
 SAME_FAILURE_S = 1.0
 KILL_ALL_GRACE_S = 0.5  # the step's members die at the fault point themselves; then the rest
+# A dead life's reader gets this long to pass on its last lines: with the life's process group
+# killed its pipe ends at once, unless a child left the group (setsid) and still holds it
+READER_DRAIN_S = 0.5
+RETIRE_BOUND_S = 1.0  # the longest a death record waits for the dead life's retirement in the service
 
 EXIT_REASONS = {EXIT_CONFIG_ERROR: "configuration error", EXIT_HUNG: "hung: it stopped itself, stack in its output",
                 75: "gave up waiting at a barrier (Timeouts.barrier)"}
@@ -48,6 +52,23 @@ EXIT_REASONS = {EXIT_CONFIG_ERROR: "configuration error", EXIT_HUNG: "hung: it s
 def _exit_status(code: int) -> dict:
     """An exit status as event fields: ``code`` (exited) or ``signal`` (its name; killed)."""
     return {"code": code} if code >= 0 else {"signal": signal.Signals(-code).name}
+
+
+def _exited(proc: subprocess.Popen, block: bool = False) -> int | None:
+    """``proc``'s exit status (Popen's convention: -N for signal N) once it has exited, else
+    None; ``block``: wait for the exit. Where it can, it leaves ``proc`` unreaped (a zombie):
+    its pid, and so the id of the process group it leads, cannot be reused before
+    :meth:`Launcher._bury` has killed that group and reaped it."""
+    if proc.returncode is not None or not hasattr(os, "waitid"):
+        return proc.wait() if block else proc.poll()
+    flags = os.WEXITED | os.WNOWAIT | (0 if block else os.WNOHANG)
+    try:
+        info = os.waitid(os.P_PID, proc.pid, flags)
+    except ChildProcessError:  # reaped already (Popen.poll elsewhere)
+        return proc.wait() if block else proc.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
 @dataclasses.dataclass
@@ -77,13 +98,17 @@ class Launcher:
         self._stop_signal: int | None = None
         self.workers = [_Worker(config.first_process + i) for i in range(config.num_processes)]
         self._local = {w.process_id: w for w in self.workers}
-        if config.console == "progress" and not config.run_dir:  # the logs need a home
-            config.run_dir = tempfile.mkdtemp(prefix="jaxft-run-")
+        self.run_dir_is_default = not config.run_dir
+        if self.run_dir_is_default:  # the logs, events and checkpoints need a home
+            config.run_dir = default_run_dir(config.command)
+            check_run_dir(config.run_dir, "the default run dir", "; pass --run-dir, or set $JAXFT_RUNS_DIR")
         self.console = Console(config.console, config.run_dir, out, config.total_processes, config.progress_every)
         self.events = EventLog(config.run_dir, "launcher", 0)
         self.exits: list[dict] = []
         self._lost_since: float | None = None  # when the external coordinator stopped answering
         self._setup_crashes: crashloop.SetupFailures | None = None  # set with the state dir (_run_workers)
+        self._fault_dir: str | None = None  # the state dir shared with the workers (_run_workers)
+        self._retirer: retire.Retirer | None = None  # retires dead lives in the service (_run_workers)
 
     # -- output -------------------------------------------------------------------------
     def say(self, text: str) -> None:
@@ -165,6 +190,33 @@ class Launcher:
         except ProcessLookupError:
             pass
 
+    def _bury(self, worker: _Worker, code: int) -> None:
+        """A life just seen dead with status ``code`` (unreaped where :func:`_exited` could):
+        first record the death for the local members (they leave a step on it, see
+        :mod:`jaxft.deaths`; nothing before this may wait), then SIGKILL what it left in its
+        process group (a child holding its stdout would keep its reader waiting, and outlive
+        it and the launcher), reap it, and give its reader a moment for its last lines."""
+        if code != 0 and self._fault_dir is not None:
+            self._retire(worker)
+            deaths.record(self._fault_dir, worker.process_id, worker.incarnation)
+        self._signal_group(worker, signal.SIGKILL)
+        worker.proc.wait()
+        if worker.reader is not None:
+            worker.reader.join(timeout=READER_DRAIN_S)
+
+    def _retire(self, worker: _Worker) -> None:
+        """Before the death is recorded: give the dead process a new incarnation in the
+        coordination service (:mod:`jaxft.retire`), so that no liveness query can answer with
+        its dead life any more, whoever asks it late. Only a life that connected; bounded: a
+        helper that does not answer within ``RETIRE_BOUND_S`` leaves the death to the heartbeat."""
+        if (self._retirer is None or self._lost_since is not None or self._fault_dir is None
+                or not retire.connected(self._fault_dir, worker.process_id, worker.incarnation)):
+            return
+        said = self._retirer.retire(worker.process_id, RETIRE_BOUND_S)
+        if not said.startswith("done"):
+            self.events.log("retire_failed", process=worker.process_id, incarnation=worker.incarnation,
+                            why=said[:200], source="launcher")
+
     def _record_exit(self, worker: _Worker, code: int, reason: str | None = None) -> None:
         reason = reason or EXIT_REASONS.get(code)
         fields = _exit_status(code)
@@ -192,7 +244,7 @@ class Launcher:
         t0 = time.time()
         # The service first (a busy or bad port fails here, before anything started), and
         # it goes last: workers are ended while it still runs, so they exit cleanly.
-        self.console.start()
+        self.console.start(" (default; pass --run-dir to choose)" if self.run_dir_is_default else "")
         try:
             with self._coordinator() as address:
                 exit_code = self._run_workers(address, t0)
@@ -204,7 +256,7 @@ class Launcher:
     def _run_workers(self, address: str, t0: float) -> int:
         c = self.config
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        fault_dir = _fault_dir()
+        fault_dir = self._fault_dir = _fault_dir()
         self._setup_crashes = crashloop.SetupFailures(fault_dir, c.max_setup_crashes)
         exit_code = 1
         try:
@@ -213,11 +265,16 @@ class Launcher:
             self.events.log("run_start", num_processes=c.total_processes, coordinator=address,
                             command=list(c.command), faults=list(c.faults), restart=c.restart,
                             source="launcher", node=c.node_rank, nnodes=c.nnodes)
+            if os.environ.get(envvars.RETIRE_LIVES) != "0":
+                self._retirer = retire.Retirer(address)
+                self._retirer.start()
             for w in self.workers:
                 self._start(w, address, fault_dir)
             exit_code = self._supervise(address, fault_dir, time.time())  # after= counts from here
         finally:
             self._terminate_all()
+            if self._retirer is not None:
+                self._retirer.close()
             for s, h in old_handlers.items():
                 signal.signal(s, h)
             shutil.rmtree(fault_dir, ignore_errors=True)
@@ -279,7 +336,7 @@ class Launcher:
                     continue
                 if w.done or w.proc is None:
                     continue
-                code = w.proc.poll()
+                code = _exited(w.proc)
                 reason = None
                 if code is None:
                     # A SIGSTOPped worker is dead to its peers (no heartbeats) but never exits.
@@ -288,17 +345,15 @@ class Launcher:
                         if now - w.stopped_since < hung_after:
                             continue
                         self._signal_group(w, signal.SIGKILL)
-                        code = w.proc.wait()
+                        code = _exited(w.proc, block=True)
                         reason = f"hung (stopped) for {hung_after:.0f} s"
                     else:
                         w.stopped_since = None
                         continue
-                if w.reader is not None:
-                    w.reader.join(timeout=2)
+                w.died_at = time.time()
+                self._bury(w, code)  # dead for sure: the local members are told first (jaxft.deaths)
                 self._record_exit(w, code, reason)
-                w.returncode, w.died_at = code, time.time()
-                if code != 0:  # dead for sure: tell the local members now (jaxft.deaths)
-                    deaths.record(fault_dir, w.process_id, w.incarnation)
+                w.returncode = code
                 if code == EXIT_HUNG:
                     self.events.log("hung", process=w.process_id, incarnation=w.incarnation, source="launcher")
                 crashes = self._setup_crashes.record(w.process_id, w.incarnation, code)
@@ -381,19 +436,16 @@ class Launcher:
         those that already finished their work (exit 0)."""
         self.say(f"process {failed.process_id} failed: restarting all workers (--restart all)")
         for w in self.workers:
-            if w is failed or w.proc is None or w.restart_at is not None or (w.done and w.returncode == 0):
-                continue
-            if w.proc.poll() is None:
+            if w is failed or w.proc is None or w.restart_at is not None or w.done:
+                continue  # buried already
+            reason = None  # died on its own in the same tick: still gets its exit event
+            if _exited(w.proc) is None:
                 self._signal_group(w, signal.SIGKILL)
                 reason = "killed by --restart all"
-            else:
-                reason = None  # died on its own in the same tick: still gets its exit event
-            code = w.proc.wait()
-            if w.reader is not None:
-                w.reader.join(timeout=2)
-            if not w.done:
-                self._record_exit(w, code, reason)
-                w.returncode = code
+            code = _exited(w.proc, block=True)
+            self._bury(w, code)
+            self._record_exit(w, code, reason)
+            w.returncode = code
         for w in self.workers:
             if w.restart_at is None and not (w.done and w.returncode == 0):
                 self._schedule_restart(w, now)

@@ -9,7 +9,11 @@ pytree of arrays); jaxft runs each step inside one atomic block and handles the 
   jitted copy of your step per member set, with the new state replicated;
 * the global batch: step ``k`` always gets the same ``G`` examples from ``data``
   (:class:`~jaxft.GlobalBatches` or :class:`~jaxft.GrainBatches`), split over the members,
-  zero-padded to a multiple of the device count, with a mask (1 = real example);
+  padded to a multiple of the device count with copies of example 0 (real inputs, never
+  zeros: a loss that is NaN on zeros cannot poison the masked sum), with a mask (1 = real
+  example, 0 = padding). Anything your model computes over the batch dimension sees the
+  padding rows too (batch-norm statistics, a mean inside the model): weight such statistics
+  by the mask, or pick ``G`` a multiple of every device count the run may have;
 * the retry: a step that a member did not finish is retried on the survivors with the same
   batch; nothing is committed anywhere until every member finished;
 * the rejoin: a restarted process receives the step and state, bit for bit, from a donor;
@@ -47,8 +51,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxft import executables as executables_lib
 from jaxft import admission as admission_lib, breaker, rejoin, runner as runner_lib, stopping, transfer, warmup
+from jaxft import votes as votes_lib
 from jaxft.data import batch_specs, shard_batch, step_batch
-from jaxft.errors import ConsistencyError, RetryBudgetExceeded, StepFailed, TooFewMembers
+from jaxft.errors import (ConfigError, ConsistencyError, RetryBudgetExceeded, StateMismatch, StepFailed,
+                          TooFewMembers)
 from jaxft.events import EventLog
 from jaxft.faults import FaultInjector
 from jaxft.hang import EXIT_HUNG
@@ -61,9 +67,8 @@ StepFn = Callable[[PyTree, PyTree, jax.Array], tuple[PyTree, dict]]  # (state, b
 
 
 def _with_votes(fn: Callable, mesh: Mesh) -> Callable:
-    """``fn`` plus admission votes: ``(state, batch, mask, votes[D, P]) -> (..., agreed[P])``,
-    one jitted program, so agreeing on joiners costs no extra round trip (jaxft.admission).
-    ``agreed[p]`` is ``HOLD`` if any member held, else ``READY`` if any voted for ``p``, else 0.
+    """``fn`` plus the votes (:mod:`jaxft.votes`): ``(state, batch, mask, votes[D, W]) -> (...,
+    agreed[W])``, one jitted program, so agreeing costs no extra round trip.
 
     The votes are summed in float32, so that XLA merges their all-reduce with the
     step's own (gradients and loss: one all-reduce op per step, checked in the compiled
@@ -82,26 +87,25 @@ def _with_votes(fn: Callable, mesh: Mesh) -> Callable:
 
 
 def _agree(votes: jax.Array) -> jax.Array:
-    """``agreed [P]`` from the members' votes ``[D, P]``: summed over the devices in float32 (see
+    """``agreed [W]`` from the members' votes ``[D, W]``: summed over the devices in float32 (see
     :func:`_with_votes`), then :func:`agreed_votes`."""
     return agreed_votes(jnp.sum(votes.astype(jnp.float32), axis=0))
 
 
 def agreed_votes(total: jax.Array) -> jax.Array:
-    """``agreed [P] int32`` from the votes summed over the devices (``total [P]``, float32:
-    ready votes count at most the devices, a ``HOLD`` outweighs them all)."""
-    agreed = jnp.where(total >= admission_lib.HOLD, admission_lib.HOLD, (total > 0) * admission_lib.READY)
-    return agreed.astype(jnp.int32)
+    """``agreed [W] int32`` from the votes summed over the devices (``total [W]``, float32; see
+    :mod:`jaxft.votes`): a step that sums the votes itself returns this."""
+    return votes_lib.admission_part(total)
 
 
 def _votes_spec(mesh: Mesh, axis_name: str) -> jax.ShapeDtypeStruct:
     """The shape of :func:`_votes_array`'s result, for compiling ahead of time."""
-    return jax.ShapeDtypeStruct((mesh.devices.size, jax.process_count()), np.dtype(np.int32),
+    return jax.ShapeDtypeStruct((mesh.devices.size, votes_lib.width(jax.process_count())), np.dtype(np.int32),
                                 sharding=NamedSharding(mesh, P(axis_name)))
 
 
 def _votes_array(votes: np.ndarray, mesh: Mesh, axis_name: str) -> jax.Array:
-    """This process's vote row on each of its devices, as a global ``[D, P]`` array."""
+    """This process's vote row (:func:`jaxft.votes.row`) on each of its devices, as a global ``[D, W]`` array."""
     n = mesh.devices.size
     rows = np.broadcast_to(votes, (n, votes.size))
     return jax.make_array_from_callback((n, votes.size), NamedSharding(mesh, P(axis_name)), lambda i: rows[i])
@@ -115,6 +119,26 @@ def _shapes(tree: PyTree) -> PyTree:
 
 class _Skip(Exception):
     """Leave a step without committing (all members agree on why)."""
+
+
+class _VotedFail(Exception):
+    """Leave a step without committing: a member voted ``fail`` (it could not build its inputs)."""
+
+    def __init__(self, error: Exception | None):
+        super().__init__(str(error) if error is not None else "a member could not build its inputs")
+        self.error = error  # this member's own error, None if another member's
+
+
+class _Desync(Exception):
+    """Leave a step without committing: the members ran different steps (their step votes differ)."""
+
+
+class _Refused(Exception):
+    """Leave a step without committing: joiners whose state does not match the members' (they exit)."""
+
+    def __init__(self, processes: list[int]):
+        super().__init__(f"processes {processes} hold a state that does not match the members'; they leave")
+        self.processes = processes
 
 
 class _Reached(Exception):
@@ -131,6 +155,7 @@ class _Ahead:
     mesh: Mesh
     inputs: PyTree  # the global state it started from: the previous step's output
     result: tuple | None = None  # ("done", outputs) or ("error", exception), once collected
+    error: Exception | None = None  # why this member ran it on placeholders (its inputs failed)
 
 
 @dataclasses.dataclass
@@ -311,6 +336,7 @@ class ElasticLoop:
         self._holding = False  # this member holds admissions back (see _hold_if_left)
         self.group.on_reset(before=self._drain_programs)  # first: nothing may run under the rebuild
         self.group.on_reset(before=self._state_to_host, after=self._after_reset)
+        self.group.on_reset(before=lambda: self.faults.point("during-rebuild", self._in_step))
         self.group.before_admission(self._prepare_admission)
         self.precompile = precompile
         self._warmer: warmup.Warmer | None = None
@@ -328,6 +354,13 @@ class ElasticLoop:
         self._pending: list[StepRecord] = []  # steps run since the last commit (commit_every)
         self._before_pending: tuple | None = None  # (step, state, _global) as the last commit left them
         self.rolled_back = 0  # steps run, then undone because a later step of their commit failed
+        self._resync = False  # the members ran different steps: the next step brings them together
+        self._checked: set[int] = set()  # ids of the step functions whose outputs were checked
+        self._signature: rejoin.Signature | None = None  # the state's structure (see _sync_state)
+        self._signature_published = False
+        self.group.before_admission(self._check_signature, may_raise=True)
+        self._in_step = step  # the step the attempt in progress runs (for the in-commit fault point)
+        self.group.before_exit_query = lambda: self.faults.point_soon("in-commit", self._in_step)
 
     @property
     def global_batch(self) -> int:
@@ -508,17 +541,26 @@ class ElasticLoop:
         self._warmer.pause()
         self._warmed_for = None
 
-    def _votes_input(self, m: Members, step: int | None = None) -> jax.Array:
-        """This member's admission votes (held while a program it left still runs) as the
-        ``[D, P]`` input of the program that sums them; with ``pipeline``, for the program of
-        step ``step``, also whether this member lets step ``step + 1`` start early (see
-        :meth:`_may_run_ahead`)."""
-        votes = self._hold_if_left(self.group.votes(m), m)
-        if step is not None and ((self.pipeline and not self._lets_run_ahead(step + 1))
-                                 or (self.commit_every > 1 and stopping.requested())):
-            votes = np.array(votes, copy=True)
-            votes[self.group.process_id] = admission_lib.NOT_AHEAD  # (a member's own slot: no joiner's)
-        return self._votes_on(votes, m)
+    def _votes_input(self, m: Members, step: int, fail: bool = False) -> jax.Array:
+        """This member's vote row for the program of step ``step`` (:mod:`jaxft.votes`) as the
+        ``[D, W]`` input of the program that sums it: the joiners it saw ready (held while a
+        program it left still runs, and at its run's last step), whether it could build its
+        inputs (``fail``), and its own conditions for what follows the step: whether step
+        ``step + 1`` may start early (``pipeline``) and whether this step may leave its commit
+        to a later one (``commit_every``). Its run's end is its own too: a member whose run
+        ends here (a restart catching up in an earlier ``run()``) makes every member commit,
+        admit nobody and start nothing early, as they all would at their own last step."""
+        admission = self._hold_if_left(self.group.votes(m), m)
+        target = self.group.target
+        ends = target is not None and step + 1 >= target
+        if ends:  # no admission after the run's last step
+            admission = admission_lib.held(admission, m.process_ids)
+        open_ended = target is None or ends  # (a step starts early or defers only when the run's end is known)
+        not_ahead = open_ended or not self.pipeline or not self._lets_run_ahead(step + 1)
+        commit = (open_ended or self.commit_every == 1 or (step + 1) % self.commit_every == 0
+                  or stopping.requested())
+        row = votes_lib.row(admission, step, fail=fail, not_ahead=not_ahead, commit=commit)
+        return self._votes_on(row, m)
 
     def _lets_run_ahead(self, step: int) -> bool:
         """This member's part of the agreement that ``step`` may start early: no stop asked of
@@ -526,14 +568,12 @@ class ElasticLoop:
         must not land inside a program already running: the rules keep their meaning)."""
         return not stopping.requested() and self.faults.quiet_at(step)
 
-    def _defers(self, step: int, m: Members, agreed: np.ndarray | None) -> bool:
-        """Whether step ``step`` leaves its commit to the next step's query (``commit_every``).
-        Like :meth:`_may_run_ahead`, on what the members share only: the step number, the
-        run's end, whether the members just changed, and the step's agreed votes (nobody
-        joins; no member asked to stop, see :meth:`_votes_input`)."""
-        n, target = self.commit_every, self.group.target
-        return (n > 1 and (step + 1) % n != 0 and self.group.admission == "ready" and target is not None
-                and step + 1 < target and not (m.reset or m.gained) and agreed is not None and not np.any(agreed))
+    def _defers(self, m: Members, verdict: votes_lib.Verdict | None) -> bool:
+        """Whether the step leaves its commit to the next step's query (``commit_every``):
+        only on what the members share, the step's agreed votes (nobody joins, no member wants
+        a commit now, see :meth:`_votes_input`) and whether the members just changed."""
+        return (verdict is not None and self.group.admission == "ready" and not (m.reset or m.gained)
+                and verdict.quiet and not verdict.commit)
 
     def _roll_back(self, why: str) -> None:
         """Undo the steps run since the last commit: a later step of that commit failed."""
@@ -545,11 +585,12 @@ class ElasticLoop:
         self.rolled_back += len(undone)
         self.events.log("rolled_back", step=self.step, steps=undone, why=why)
 
-    def _admit(self, m: Members, agreed: np.ndarray, step: int) -> None:
+    def _admit(self, m: Members, verdict: votes_lib.Verdict, step: int) -> None:
         """Admit the joiners the members agreed on; they enter at ``step`` (``admit`` event)."""
-        admitted = self.group.admit(m, agreed)
+        admitted = self.group.admit(m, verdict.admission)
         if admitted:
             self.events.log("admit", step=step, joiners=list(admitted))
+            self.faults.point("admitting", step)
 
     def _votes_on(self, votes: np.ndarray, m: Members) -> jax.Array:
         """``votes`` as the step's ``[D, P]`` input, the last step's array while the votes and
@@ -560,18 +601,18 @@ class ElasticLoop:
             self._votes = (key, _votes_array(votes, m.mesh, self.group.axis_name))
         return self._votes[1]
 
-    def _agree_on_joiners(self, m: Members) -> np.ndarray:
-        """With too few members to commit (``min_members``), the admission votes alone, summed
-        over the members by a program of their own: the joiners they wait for are admitted
-        as at a commit (with no step to carry the votes, they would wait for each other
-        until a timeout ended the run)."""
+    def _agree_on_joiners(self, m: Members) -> votes_lib.Verdict:
+        """With too few members to commit (``min_members``), the votes alone, summed over the
+        members by a program of their own: the joiners they wait for are admitted as at a
+        commit (with no step to carry the votes, they would wait for each other until a
+        timeout ended the run)."""
         key = ("votes",) + executables_lib.mesh_ids(m.mesh)
         fn = self._compiled.get(key)
         if fn is None:
             fn = self._compiled.setdefault(key, jax.jit(_agree, out_shardings=NamedSharding(m.mesh, P())))
-        votes = self._votes_input(m)
+        votes = self._votes_input(m, self.step)
         out = self._runner.run(lambda: jax.block_until_ready(fn(votes)))
-        return np.asarray(out.addressable_data(0))
+        return votes_lib.read(np.asarray(out.addressable_data(0)), len(m.devices))
 
     def _replicated(self, state: PyTree, m: Members) -> PyTree:
         g = self._last_output(state, m)
@@ -602,33 +643,29 @@ class ElasticLoop:
 
         return program
 
-    def _may_run_ahead(self, step: int, m: Members, agreed: np.ndarray | None) -> bool:
-        """Whether step ``step + 1`` may start before ``step`` commits (see ``pipeline``).
+    def _may_run_ahead(self, verdict: votes_lib.Verdict | None) -> bool:
+        """Whether the next step may start before this one commits (see ``pipeline``).
 
         Every member must decide the same: one that does not start it early runs ``on_commit``
         first, whose collectives (an Orbax save's) would then wait for the others' early
         program, and it for them, until gloo's timeout (seen in the main job when only one
-        member had a fault rule at the next step). So the decision rests only on what the
-        members share: the run's end, and step ``step``'s agreed votes, which say that nobody
-        joins (the members stay the same unless one fails) and carry each member's own
-        conditions for step ``step + 1`` (:meth:`_lets_run_ahead`, as its arguments were built).
+        member had a fault rule at the next step). So the decision rests only on the step's
+        agreed votes, which say that nobody joins (the members stay the same unless one
+        fails) and carry each member's own conditions (:meth:`_votes_input`).
         """
-        target = self.group.target
-        return (self.pipeline and self.group.admission == "ready" and target is not None and step + 1 < target
-                and agreed is not None and not np.any(agreed))
+        return (verdict is not None and self.group.admission == "ready" and verdict.quiet
+                and not verdict.not_ahead)
 
     def _start_ahead(self, step: int, m: Members, inputs: PyTree) -> None:
-        """Start step ``step``'s program on this step's output (see ``pipeline``). A failure
-        to build its arguments (the data source's, say) is left to the step itself."""
-        try:
-            fn = self._fn(m)
-            batch, mask = self._batch(step, m)
-            args = (inputs, batch, mask, self._votes_input(m, step))
-        except Exception as e:  # noqa: BLE001 - raised again by the step, where it belongs
-            logger.debug("process %d: not starting step %d early: %s", self.group.process_id, step, e)
-            return
+        """Start step ``step``'s program on this step's output (see ``pipeline``). If this
+        member cannot build its inputs (its data source failed), the program still starts,
+        on placeholders and with a ``fail`` vote, since the others started theirs: the step
+        then fails everywhere (see :meth:`_inputs`)."""
+        fn = self._fn(m)
+        (batch, mask), error = self._inputs(step, m)
+        args = (inputs, batch, mask, self._votes_input(m, step, fail=error is not None))
         worker = self._runner.start(self._job(step, fn, args, m.mesh, fault_point=False))
-        self._ahead = _Ahead(step, worker, m.mesh, inputs)
+        self._ahead = _Ahead(step, worker, m.mesh, inputs, error=error)
 
     def _collect(self, ahead: _Ahead) -> None:
         """Wait for ``ahead``'s program to end; keep what it gave (or raised)."""
@@ -639,8 +676,9 @@ class ElasticLoop:
                 ahead.result = ("error", e)
 
     def _take_ahead(self, step: int, m: Members) -> tuple | None:
-        """The outputs of step ``step``'s program if it was started early on this very state
-        and members; otherwise the early program (if any) is waited for and dropped."""
+        """``(outputs, error)`` of step ``step``'s program if it was started early on this very
+        state and members (``error``: why it ran on placeholders, see :meth:`_start_ahead`);
+        otherwise the early program (if any) is waited for and dropped."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
@@ -653,7 +691,7 @@ class ElasticLoop:
         kind, value = ahead.result
         if kind == "error":
             raise value
-        return value
+        return value, ahead.error
 
     def settle(self) -> None:
         """Wait for a step program started early (``pipeline``) to end, keeping its result for
@@ -681,11 +719,88 @@ class ElasticLoop:
         else:  # it had ended: collect it (the runner hands each call's result once)
             self._collect(ahead)
 
+    def _state_signature(self) -> rejoin.Signature:
+        """The structure of :attr:`state` (treedef, shapes, dtypes), computed once (a restore or
+        a rehydration brings values, never a new structure: both check it)."""
+        if self._signature is None:
+            self._signature = rejoin.Signature.of(self.state)
+        return self._signature
+
     def _sync_state(self, m: Members) -> tuple[int, PyTree, rejoin.Rehydration | None]:
-        """Agree on the step; rehydrate members behind the latest one from a donor (see jaxft.rejoin)."""
-        steps, self.group.generation = rejoin.agree_steps(self.step, self.group.generation, m)
-        return rejoin.rehydrate(self.step, self.state, m, self.group.process_id, steps,
+        """Agree on the step and the state's structure; rehydrate members behind the latest
+        step from a donor (see :mod:`jaxft.rejoin`). A member whose structure differs from the
+        reference (a restart with another model) is refused before anything moves: it raises
+        :class:`~jaxft.errors.StateMismatch` (a configuration error: it exits 78 and is not
+        restarted), and the others leave the step untouched (:class:`_Refused`) and go on."""
+        agreed = rejoin.agree(self.step, self.group.generation, self._state_signature(), m)
+        self.group.generation = agreed.generation
+        if agreed.refused:
+            self.events.log("state_mismatch", step=self.step, refused=list(agreed.refused), donor=agreed.donor)
+            if self.group.process_id in agreed.refused:
+                raise StateMismatch(f"process {self.group.process_id}'s state does not match the running members' "
+                                    f"(process {agreed.donor}'s): its structure differs (treedef, shapes or dtypes); "
+                                    "start every process with the same model and optimizer")
+            raise _Refused(list(agreed.refused))
+        return rejoin.rehydrate(self.step, self.state, m, self.group.process_id, agreed.steps,
                                 on_start=lambda: self.faults.point("during-rehydrate", self.step))
+
+    def _publish_signature(self, m: Members) -> None:
+        """Once per life, the lowest member publishes the state's structure, which a restart
+        compares with its own before it asks to be admitted (:meth:`_check_signature`)."""
+        if self._signature_published or self.group.admission != "ready" or jax.process_count() == 1:
+            return
+        self._signature_published = True
+        if self.group.process_id == min(m.process_ids):
+            rejoin.publish_signature(self._state_signature())
+
+    def _check_signature(self, pids: tuple[int, ...]) -> None:
+        """A restart, before it tells the members it is ready: a state structure other than the
+        one they published is refused here, before anything moves (one line, exit 78)."""
+        published = rejoin.published_signature()
+        mine = self._state_signature()
+        if published is not None and published.digest != mine.digest:
+            raise StateMismatch(f"process {self.group.process_id}'s state does not match the running members': "
+                                f"{mine.difference(published)}; start every process with the same model and "
+                                "optimizer")
+
+    def _check_program(self, fn: Callable, state_in: PyTree, new_global: PyTree) -> None:
+        """Once per step function: it must leave its input state alone (a donated input is
+        gone, and a retry or a roll-back needs it) and return a replicated state (every member
+        commits its own copy of it). Both are configuration errors, said in one line."""
+        if id(fn) in self._checked:
+            return
+        self._checked.add(id(fn))
+        if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(state_in)):
+            raise ConfigError("the step function donated its input state (donate_argnums/donate_argnames): jaxft "
+                              "keeps the state for a retry or a roll-back; jit the step without donating it")
+        bad = [jax.tree_util.keystr(k) for k, x in jax.tree_util.tree_flatten_with_path(new_global)[0]
+               if isinstance(x, jax.Array) and not x.sharding.is_fully_replicated]
+        if bad:
+            raise ConfigError(f"the step function returned a state that is not replicated over the members "
+                              f"({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}): return it with "
+                              "out_shardings=NamedSharding(mesh, PartitionSpec())")
+
+    def _inputs(self, step: int, m: Members) -> tuple[tuple[PyTree, jax.Array], Exception | None]:
+        """Step ``step``'s placed batch and mask, and None; or, if this member cannot build them
+        (its data source raised), placeholders of the same shapes and the error.
+
+        A member that left the step on its own error would leave the others waiting in the
+        step's collective (until gloo's timeout on CPU, for ever on GPU). With the
+        placeholders it runs the program with a ``fail`` vote instead: the collective ends
+        as usual and every member reads the same verdict, a failed step (see :meth:`try_step`).
+        Without a batch seen yet (its shapes unknown) or outside ready admission (no votes),
+        the error is raised as before."""
+        try:
+            return self._batch(step, m), None
+        except Exception as e:  # noqa: BLE001 - a vote now, raised again after the step
+            if self._batch_template is None or self.group.admission != "ready":
+                raise
+            logger.error("process %d could not build step %d's batch (%s: %s); the step fails everywhere",
+                         self.group.process_id, step, type(e).__name__, e)
+            host = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), self._batch_template)
+            micro = self.micro_batch if self.stacked else None
+            return shard_batch(host, m.mesh, self.group.axis_name, micro, flat=not self.stacked,
+                               chunk=self.chunk), e
 
     def _batch(self, step: int, m: Members) -> tuple[PyTree, jax.Array]:
         micro = self.micro_batch if self.stacked else None
@@ -704,35 +819,41 @@ class ElasticLoop:
     def run(self, num_steps: int, before_attempt: Callable[[], None] | None = None) -> PyTree:
         """Run until ``num_steps`` steps are committed; returns the final state.
 
-        A process that starts (or restarts) after its peers finished this run exits 0
-        (``SystemExit``) instead of running it again on its own. With fewer live members
-        than ``min_members`` no step commits (the members wait, bounded); a step that fails
-        ``max_attempts`` times in a row raises.
+        ``run()`` after ``run()`` continues: ``run(20); run(80)`` trains steps 0-19, then 20-79,
+        in every process. A process restarted while its peers are in a later ``run()`` than
+        the one it calls catches up: it is admitted and rehydrated at the members' step, and
+        each earlier ``run()`` returns at once with that state, so the program reaches the
+        members' ``run()`` and trains on with them. A process that starts (or restarts) after
+        its peers finished the job's last run exits 0 (``SystemExit``) instead of running it
+        again on its own. With fewer live members than ``min_members`` no step commits (the
+        members wait, bounded); ``max_attempts`` failed attempts in a row at one step raise
+        (with ``commit_every``, a step run and undone by a later step's failure does not
+        count as progress).
         """
-        self.group.target = num_steps
-        if self.group.run_finished():  # restarted after the others finished: never train on alone
-            self.events.log("run_already_finished", step=self.step, target=num_steps)
+        run = self.group.begin_run(num_steps)
+        if run.finished:  # restarted after the others finished: never train on alone
+            self.events.log("run_already_finished", step=self.step, target=num_steps, run=run.index)
             logger.info("process %d: the others already finished this run; exiting 0", self.group.process_id)
             raise SystemExit(0)
         self.group.hang.finished(False)
         self.group.hang.on_hung = lambda info: self.events.log("hung", step=self.step, **info)
         self.group.hang.abandon = self._abandon
-        self.events.log("train_start", step=self.step, total_steps=num_steps)
-        failures, waiting_since = 0, None
+        self.events.log("train_start", step=self.step, total_steps=num_steps, run=run.index,
+                        **({"catching_up": True} if run.passed else {}))
+        failures, waiting_since, committed_at = 0, None, self.step
         while self.step < num_steps:
             if before_attempt is not None:
                 before_attempt()
-            step = self.step
             record = self.try_step()
             if record is not None:
-                failures, waiting_since = 0, None
+                failures, waiting_since, committed_at = 0, None, self.step
                 stop_at = stopping.stop_step(self.step)
                 if stop_at is not None and self.step >= stop_at:  # on_commit saved it if asked to
                     self._settle(drop=True)  # (every member stops here: all end the early program)
                     self.events.log("stopped", step=self.step)
                     raise SystemExit(stopping.EXIT_STOPPED)
-            elif self.step > step:  # run, its commit left to a later step's (commit_every)
-                failures, waiting_since = 0, None
+            elif self.pending:  # run, its commit left to a later step's (commit_every)
+                waiting_since = None
             elif self._too_few is not None:  # nothing failed: too few members to commit
                 waiting_since = waiting_since or time.monotonic()
                 if time.monotonic() - waiting_since > self.group.timeouts.barrier:
@@ -740,9 +861,11 @@ class ElasticLoop:
                                         f"{self.min_members}, for {self.group.timeouts.describe('barrier')}")
                 time.sleep(self.group.poll_s)
             else:
+                if self.step != committed_at:  # (a rehydration or a restore moved it: a new step)
+                    failures, committed_at = 0, self.step
                 failures += 1
-                if self.max_attempts is not None and failures >= self.max_attempts and self.step == step:
-                    raise RetryBudgetExceeded(f"step {step} failed {failures} times in a row "
+                if self.max_attempts is not None and failures >= self.max_attempts:
+                    raise RetryBudgetExceeded(f"step {self.step} failed {failures} times in a row "
                                               f"(max_attempts={self.max_attempts}); last: {self._last_failure}")
         self._settle(drop=True)  # (none is started for the last step)
         self.group.finish(self.step)
@@ -753,9 +876,10 @@ class ElasticLoop:
     def try_step(self) -> StepRecord | None:
         """One attempt at the next step: the record of the commit it made, or None if it made
         none (it failed; or, with ``commit_every``, it ran and its commit is left to a later step)."""
-        step = self.step
+        step = self._in_step = self.step
         self._too_few = None
-        agreed = None
+        verdict: votes_lib.Verdict | None = None
+        local_error: Exception | None = None
         self.faults.point("before-step", step)
         try:
             with self.group.step() as m:
@@ -766,38 +890,44 @@ class ElasticLoop:
                 if len(m.process_ids) < self.min_members:  # every member sees the same m: all skip
                     self._too_few = m.process_ids
                     if self.group.admission == "ready":  # the joiners they wait for can still enter
-                        agreed = self._agree_on_joiners(m)
+                        verdict = self._agree_on_joiners(m)
                     raise _Skip
                 state, rehydrated = self.state, None
-                if m.gained:
+                resync = m.gained or self._resync
+                if resync:
                     if self.group.joining:
                         self.faults.point("admitted", step)
                     step, state, rehydrated = self._sync_state(m)
+                    self._in_step = step
                 t_program = time.monotonic()
                 if early is not None:  # started during the last commit (pipeline)
-                    new_global, host = early
+                    (new_global, host), local_error = early
                     self.started_early += 1
                 else:
                     fn = self._fn(m)
-                    batch, mask = self._batch(step, m)
+                    (batch, mask), local_error = self._inputs(step, m)
                     args = (self._replicated(state, m), batch, mask)
-                    if self.group.admission == "ready":  # admission votes ride in the step's own program
-                        args += (self._votes_input(m, step),)
+                    if self.group.admission == "ready":  # the votes ride in the step's own program
+                        args += (self._votes_input(m, step, fail=local_error is not None),)
                     # in a thread it can be left in (jaxft.runner)
                     new_global, host = self._runner.run(self._job(step, fn, args, m.mesh))
+                    self._check_program(fn, args[0], new_global)
                 t_program = time.monotonic() - t_program
                 if self.group.admission == "ready":
                     metrics, agreed = host
-                    agreed = np.asarray(agreed)
+                    verdict = votes_lib.read(np.asarray(agreed), len(m.devices))
+                    if verdict.failed:
+                        raise _VotedFail(local_error)
+                    if not verdict.same_step:
+                        raise _Desync
                 else:
                     (metrics,) = host
                 self.faults.point("after-grad", step)
                 # Read before the next program starts (pipeline): on CPU a read then waits behind
-                # the running program (py-spy: ~0.26 ms a step in the main thread; the step's
-                # time did not change measurably on 2 cores, the program being the longer path).
+                # the running program (the program being the longer path).
                 scalars = _scalars(metrics)
                 checking = bool(self.check_every) and (step + 1) % self.check_every == 0
-                ahead = self._may_run_ahead(step, m, agreed)
+                ahead = self._may_run_ahead(verdict)
                 if ahead and not checking:  # the next step's program, as soon as this one's ended
                     self._start_ahead(step + 1, m, new_global)
                 new_state = local_copy(new_global)
@@ -807,7 +937,7 @@ class ElasticLoop:
                         raise ConsistencyError(step + 1, bad)
                     if ahead:  # (after the check: its collective must not run beside the step's)
                         self._start_ahead(step + 1, m, new_global)
-                defer = self._defers(step, m, agreed)
+                defer = self._defers(m, verdict) and not resync
                 if defer:
                     self.group.defer_commit()
         except StepFailed as e:
@@ -819,6 +949,28 @@ class ElasticLoop:
                             cause=str(e.cause).splitlines()[0][:300] if e.cause else "membership changed")
             self.group.exit_if_finished_before_joining()
             return None
+        except _VotedFail as e:  # a member could not build its inputs: every member fails the step
+            self._roll_back(f"step {step} did not commit")
+            self.faults.at_width(None)
+            own = e.error is not None
+            why = f"{type(e.error).__name__}: {e.error}" if own else "another member could not build its inputs"
+            self._last_failure = why
+            self.events.log("step_failed", step=step, failed=[], cause=why.splitlines()[0][:300], own=own)
+            return None
+        except _Desync:  # the members ran different steps: the ones behind are brought forward
+            self._roll_back(f"step {step} did not commit")
+            self.faults.at_width(None)
+            self._resync = True
+            self._last_failure = "the members ran different steps"
+            self.events.log("desync", step=step, members=list(m.process_ids))
+            logger.warning("process %d: the members ran different steps (this one: %d); the step fails and "
+                           "the next one brings every member to the latest committed step", self.group.process_id,
+                           step)
+            return None
+        except _Refused as e:  # a joiner's state does not match the members': it leaves, they go on
+            self._last_failure = str(e)
+            self.events.log("step_failed", step=step, failed=list(e.processes), cause=str(e))
+            return None
         except runner_lib.Abandoned as e:  # left a program no member failed in: the others may commit it
             self.events.log("abandoned_without_failure", step=step, why=str(e))
             logger.error("process %d left step %d's program, but no member failed; exiting to rejoin",
@@ -828,12 +980,13 @@ class ElasticLoop:
             return None
         except _Skip:
             self.events.log("step_waiting", step=step, members=list(self._too_few), min_members=self.min_members)
-            if agreed is not None:  # every member left this step alive: all admit the same joiners
-                self._admit(m, agreed, step)
+            if verdict is not None:  # every member left this step alive: all admit the same joiners
+                self._admit(m, verdict, step)
             return None
         except BaseException:  # (last: after the step's own exceptions)
             self._leave_ahead(f"step {step} raised")
             raise
+        self._resync = False
         if defer:  # run, not yet committed: the next commit query commits it, or it is undone
             if not self._pending:
                 self._before_pending = (self.step, self.state, self._global)
@@ -857,9 +1010,9 @@ class ElasticLoop:
         if m.reset:  # where a recovery's time goes: the rebuild, then the program (compiled or loaded)
             self.events.log("data_plane", step=step, program_s=round(t_program, 4), **self.group.last_reset,
                             programs_loaded=self.executables.loads, programs_compiled=self.executables.compiles)
-        target = self.group.target
-        if agreed is not None and (target is None or step + 1 < target):  # no admission after the last step
-            self._admit(m, agreed, step + 1)
+        if verdict is not None:  # (held at a member's last step: nobody is admitted then)
+            self._admit(m, verdict, step + 1)
+        self._publish_signature(m)
         self._warm_up(m)
         if self.on_commit is not None:
             self.settle()  # (a hook may run programs of its own: none may run beside the step's)

@@ -36,6 +36,7 @@ from jax.sharding import Mesh
 
 from jaxft import _compat, admission as admission_lib, breaker, crashloop, deaths as deaths_lib, envvars, kv, lives
 from jaxft import priority
+from jaxft import runs as runs_lib
 from jaxft import rendezvous
 from jaxft import timeouts as timeouts_lib
 from jaxft.errors import BarrierTimeout, StepFailed
@@ -70,6 +71,15 @@ class Members:
     @property
     def size(self) -> int:
         return len(self.devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """This process's ``run()`` as :meth:`ElasticGroup.begin_run` found it."""
+
+    index: int  # 1 for the first run() of the program, 2 for the next, ...
+    finished: bool  # the members finished it (and nothing runs after it): exit 0
+    passed: bool  # the members are in a later run: catch up with them
 
 
 def _member_map(device_map: Mapping[jax.Device, int]) -> dict[int, int]:
@@ -116,8 +126,11 @@ class ElasticGroup:
         self._barrier_pids: list[int] | None = None  # process ids of the next step's barrier
         self._committed: dict[int, int] | None = None  # the last committed step's exit query answer
         self._admitting: set[int] = set()
+        self._admitted_at: float | None = None  # when the joiners in _admitting were admitted
+        self.before_exit_query: Callable[[], None] | None = None  # (the loop's in-commit fault point)
         self.joining = False  # admitted into a running set; until this process's first commit
         self._watcher: admission_lib.ReadyWatcher | None = None
+        self._admitted_by: dict[int, int] = {}  # the members (process -> incarnation) that admitted this process
         self._published: tuple[int, ...] | None = None
         self._deaths: deaths_lib.DeathWatch | None = None
         self._tripwire: deaths_lib.Tripwire | None = None
@@ -131,7 +144,8 @@ class ElasticGroup:
         self.process_id = jax.process_index()
         self.platform = jax.devices()[0].platform
         self.generation = 0
-        self.target: int | None = None  # the step the current run trains to (set by ElasticTrainer.run)
+        self.target: int | None = None  # the step the current run trains to (set by begin_run)
+        self.run_index = 0  # how many run()s this process began (jaxft.runs)
         self._defer = False  # the step in progress leaves its commit to the next step's query (defer_commit)
         self.deferred = 0  # steps whose exit query was left to a later step's (see defer_commit)
         self._previous: dict[int, int] | None = None  # member map of the previous step
@@ -154,7 +168,7 @@ class ElasticGroup:
         self._meshes: dict[tuple[int, ...], Mesh] = {}
         self._pre_reset: list[Callable[[], None]] = []
         self._post_reset: list[Callable[[], None]] = []
-        self._before_announce: list[Callable[[tuple[int, ...]], None]] = []
+        self._before_announce: list[tuple[Callable[[tuple[int, ...]], None], bool]] = []
         self._on_cold_start: list[Callable[[], None]] = []
         # jaxft launch's word on a restart: a member may run on (True), none does (False: every
         # local worker died in the same failure, one node), or nothing said (None)
@@ -175,11 +189,16 @@ class ElasticGroup:
         if after is not None:
             self._post_reset.append(after)
 
-    def before_admission(self, hook: Callable[[tuple[int, ...]], None]) -> None:
+    def before_admission(self, hook: Callable[[tuple[int, ...]], None], may_raise: bool = False) -> None:
         """Register ``hook(process_ids)``, run by a joiner (ready admission) with the member set it
         expects to enter, before it tells the members it is ready: set-up done there (compiling
-        the step for that set) costs the members nothing."""
-        self._before_announce.append(hook)
+        the step for that set) costs the members nothing. An error of such a hook is logged
+        and ignored (the step does that work then), unless ``may_raise`` (a check that must
+        stop the joiner before it is admitted: those run first)."""
+        if may_raise:
+            self._before_announce.insert(0, (hook, True))
+        else:
+            self._before_announce.append((hook, False))
 
     def members_listed(self) -> bool:
         """Whether the members of a running job have published their list (one key-value
@@ -340,11 +359,14 @@ class ElasticGroup:
         try:
             with self._watch("leaving a failed step" if error is not None else "leaving a step",
                              publish=error is not None):
-                exit_ = self._deaths.live_nodes(client.get_live_nodes, sorted(entry))
+                if self.before_exit_query is not None:
+                    self.before_exit_query()
+                exit_ = self._deaths.live_nodes(client.get_live_nodes, sorted(entry), lives=entry)
         finally:
             self.hang.phase("between steps")
-        self._barrier_pids = sorted(exit_)
         failed = {p for p, i in entry.items() if exit_.get(p) != i}
+        # (a process whose life changed is no member: it enters again by admission, if ever)
+        self._barrier_pids = sorted(p for p in exit_ if p not in failed)
         if failed:
             if members is not None:
                 self._taint()
@@ -354,6 +376,7 @@ class ElasticGroup:
         self._agreed = dict(members.incarnations)
         self._committed = exit_
         self.joining = False
+        self._on_cold_start = []  # committed: a put-off restore is never needed in this life
         crashloop.mark_committed()  # for the launcher's crash-loop guard (once per life)
 
     @contextlib.contextmanager
@@ -446,29 +469,44 @@ class ElasticGroup:
                     # without it meanwhile (it came up late, or is the restart of one that
                     # died in their first step), this query would never be answered
                     give_up = admission_lib.started_without(self.process_id)
-                else:
-                    self._on_cold_start = []  # admitted: a member's state replaces what they would set up
+                # admitted: a member's state will replace what the put-off hooks would set up; they
+                # are kept until this life's first commit, for the case the members die first
             else:
                 pids = sorted(set(self._barrier_pids) | self._admitting)
             try:
                 with self._watch("entering a step"):
                     entry = self._deaths.live_nodes(client.get_live_nodes, pids, expect=self._admitting,
-                                                    give_up=give_up)
-                if first and not cold and set(entry) == {self.process_id}:
-                    self._left_alone()
+                                                    give_up=give_up, since=self._admitted_at)
+                if first and not cold and self._members_gone(entry):
+                    self._left_without_members()
                 return entry
             except deaths_lib.GaveUp:
                 logger.info("process %d: the others started without it; joining them", self.process_id)
 
-    def _left_alone(self) -> None:
-        """Admitted, but none of the members that admitted this process is alive at its
-        first step: the run ended right then (exit 0) or they all died (go on alone)."""
+    def _members_gone(self, entry: Mapping[int, int]) -> bool:
+        """Whether none of the lives that admitted this process is in its first step's ``entry``
+        (with no record of them: whether it is alone there)."""
+        if not self._admitted_by:
+            return set(entry) == {self.process_id}
+        return not any(entry.get(p) == i for p, i in self._admitted_by.items())
+
+    def _left_without_members(self) -> None:
+        """Admitted, but none of the members that admitted this process is alive at its first
+        step: the run ended right then (exit 0), or they all died. Then the processes at this
+        step (it, and any other joiner admitted with it) start cold: the set-up each put off
+        (a checkpoint restore, :meth:`on_cold_start`) runs now, so the run goes on from the
+        newest checkpoint rather than from a joiner's initial state."""
         deadline = time.monotonic() + 2.0  # members mark the run finished right after its last step
         while time.monotonic() < deadline:
             if self.run_finished():
                 _hard_exit(0, f"jaxft: the run finished as process {self.process_id} was admitted; exiting 0")
             time.sleep(0.1)
-        logger.warning("process %d: the members that admitted it are gone; going on alone", self.process_id)
+        logger.warning("process %d: the members that admitted it are gone; going on without them, from its "
+                       "put-off set-up (the newest checkpoint, if any)", self.process_id)
+        hooks, self._on_cold_start = self._on_cold_start, []
+        with self.hang.busy():  # (a restore may take a while)
+            for hook in hooks:
+                hook()
 
     def _join(self) -> tuple[list[int], float, bool]:
         """This process's first step: the barrier's process ids, when they were all alive, and
@@ -498,7 +536,10 @@ class ElasticGroup:
             time.sleep(0.2)
         expected = tuple(sorted(set(running) | {self.process_id}))
         with self.hang.busy():  # a compile may take a while; nobody waits for this process yet
-            for hook in self._before_announce:
+            for hook, may_raise in self._before_announce:
+                if may_raise:  # (a check: a joiner it refuses must never be admitted)
+                    hook(expected)
+                    continue
                 try:
                     hook(expected)
                 except Exception:  # noqa: BLE001 - an optimisation: the step does it then
@@ -511,7 +552,7 @@ class ElasticGroup:
             logger.warning("process %d: the members stopped while it waited to be admitted; starting cold",
                            self.process_id)
             return everyone, time.time(), True
-        pids, alive_at = admitted
+        pids, alive_at, self._admitted_by = admitted
         self.joining = True
         logger.info("process %d admitted after %.2f s with %s", self.process_id, time.monotonic() - t0, pids)
         return pids, alive_at, False
@@ -535,22 +576,35 @@ class ElasticGroup:
                         if v == admission_lib.READY and p not in members.process_ids)
         if joiners:
             self._admitting = set(joiners)
+            self._admitted_at = time.monotonic()
             if self._deaths is not None:
                 # a joiner is a new life (it connected >= heartbeat + 1.5 s after any earlier
                 # death of its process id): earlier death records must not count against it
                 self._deaths.assume_alive_since(joiners, time.time() - 1.0)
             assert self._watcher is not None
-            self._watcher.admit(joiners, sorted(set(members.process_ids) | set(joiners)))
+            self._watcher.admit(joiners, sorted(set(members.process_ids) | set(joiners)), members.incarnations)
         return joiners
 
-    # -- bounded waiting --------------------------------------------------------------
+    # -- runs and bounded waiting -----------------------------------------------------
+    def begin_run(self, target: int) -> "RunInfo":
+        """Begin this process's next ``run()``, to step ``target`` (see :mod:`jaxft.runs`)."""
+        self.run_index += 1
+        self.target = target
+        state = runs_lib.state(self.run_index, target, runs_lib.marks())
+        if state == runs_lib.RUNNING:
+            runs_lib.begin(self.run_index)
+        return RunInfo(self.run_index, finished=state == runs_lib.FINISHED, passed=state == runs_lib.PASSED)
+
     def finish(self, step: int | None = None) -> None:
-        """Tell late joiners the run is over (at ``step``), so none waits for peers that are gone."""
+        """Tell late joiners this run is over (at ``step``), so none waits for peers that are gone.
+        The ready watcher stops until the next run's first step (a later ``run()`` admits again)."""
         self.hang.finished()
         self._report_old_backends()
-        kv.mark_finished(step)
+        if runs_lib.state(self.run_index, self.target, runs_lib.marks()) != runs_lib.PASSED:
+            runs_lib.end(self.run_index, step)  # (a run the members passed keeps their mark)
         if self._watcher is not None:
             self._watcher.stop()
+            self._watcher = None
 
     def exit_if_finished_before_joining(self) -> None:
         """After a failed step, in a life that has committed none: if peers finished the run
@@ -560,15 +614,9 @@ class ElasticGroup:
             _hard_exit(0, f"jaxft: the run finished before process {self.process_id} committed a step; exiting 0")
 
     def run_finished(self) -> bool:
-        """Whether peers finished the run this process is in: a run that ended at a step at or
-        past :attr:`target` (a later ``run()`` to more steps in the same job is another run),
-        or any run when this process has no target."""
-        value = kv.finished_value()
-        if value is None:
-            return False
-        if self.target is None or value == kv.ANY_STEP:
-            return True
-        return value.isdigit() and int(value) >= self.target
+        """Whether peers finished the run this process is in, and nothing runs after it
+        (:mod:`jaxft.runs`; a later ``run()`` in progress is not an end: this process catches up)."""
+        return runs_lib.state(self.run_index, self.target, runs_lib.marks()) == runs_lib.FINISHED
 
     @contextlib.contextmanager
     def _watch(self, what: str, publish: bool = False) -> Iterator[None]:

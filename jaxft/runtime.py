@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Callable, Sequence
 
-from jaxft import _compat, breaker, cluster, envvars, stopping
+from jaxft import _compat, breaker, cluster, envvars, retire, stopping
 from jaxft import timeouts as timeouts_lib
 from jaxft.coordinator import wait_reachable
 from jaxft.errors import EXIT_CONFIG_ERROR, ConfigError, InitializeError, TimeoutsError
@@ -229,6 +229,7 @@ def initialize(coordinator_address: str | None = None,
             f"{coordinator_address} within {timeouts.describe('initialization')}: {e}") from e
 
     breaker.protect(coordinator_address)  # the data-plane breaker never touches the service's connections
+    retire.mark_connected()  # (its launcher may retire this life in the service once it dies)
     if external_coordinator:
         _clear_stale_topology(process_id)
     elif num_processes > 1 and process_id == 0:  # it hosts the service: it must leave last

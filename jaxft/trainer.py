@@ -92,6 +92,27 @@ def _chunk_value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, mask: 
     return jax.value_and_grad(lambda p: jnp.sum(_per_example(loss_fn(p, batch), mask) * mask))(params)
 
 
+def _acc_dtype(dtype) -> np.dtype:
+    """The dtype a gradient leaf is summed in: float32 for floats narrower than 32 bits (a
+    bfloat16 running sum keeps 8 bits, so its error grows with the number of micro-batches,
+    which depends on the width), a leaf's own dtype otherwise."""
+    dtype = np.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return np.dtype(np.float32)
+    return dtype
+
+
+def _widen(tree: PyTree) -> PyTree:
+    """``tree``'s leaves in their :func:`_acc_dtype` (float32 and float64 leaves untouched)."""
+    return jax.tree_util.tree_map(lambda x: x if _acc_dtype(x.dtype) == x.dtype else x.astype(_acc_dtype(x.dtype)),
+                                  tree)
+
+
+def _loss_dtype(params: PyTree) -> np.dtype:
+    """The dtype the micro-batches' losses are summed in: float32, or float64 with float64 params."""
+    return np.dtype(jnp.result_type(np.float32, *(_acc_dtype(x.dtype) for x in jax.tree_util.tree_leaves(params))))
+
+
 def _chunk_grads(loss_fn: LossFn, params: PyTree, batch: PyTree, mask: jax.Array) -> tuple[jax.Array, PyTree]:
     """Losses ``[k]`` and gradients ``[k, ...]`` of this device's ``k`` chunks, each from the
     same loop body on a ``[G/C, ...]`` slice whichever device runs it (so the same bits).
@@ -138,13 +159,16 @@ def _allreduce_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, gl
     the per-leaf sums) as one gloo all-reduce per element, all on one slot: when a member died
     between two of them, a survivor one element ahead sent chunks of the wrong size and
     another survivor aborted in gloo ("op.preamble.length <= op.nbytes. 32 vs 4", SIGABRT).
+    Gradients of floats narrower than 32 bits are summed, and all-reduced, in float32
+    (:func:`_acc_dtype`), and rounded to their dtype once, by :func:`_apply`.
 
     ``wide`` (``reduction="allreduce64"``): the micro-batches are the fixed chunks of
     :meth:`jaxft.Layout.chunked`, whose gradients have the same bits on every width; they are
-    summed in float64 on the device (:func:`_wide_sum`) and by the all-reduce, and rounded to
-    the leaves' dtype once. A float64 sum of ``C`` float32 values is exact unless their
-    exponents span more than ~29 - log2(C) bits, and otherwise off by far less than a float32
-    ulp, so the rounded sum differs between widths only when it lies within ~2^-53 of a
+    summed in float64 on the device (:func:`_wide_sum`) and by the all-reduce, and rounded
+    once to the leaves' dtype (float32 for narrower floats, which :func:`_apply` rounds to
+    theirs after the division by the global batch). A float64 sum of ``C`` float32 values is
+    exact unless their exponents span more than ~29 - log2(C) bits, and otherwise off by far
+    less than a float32 ulp, so the rounded sum differs between widths only when it lies within ~2^-53 of a
     float32 rounding boundary. Measured (mlp, 450 steps, 13-step stretches at widths 1-3 in a
     4-wide run): bitwise equal to the 4-wide run, where ``"allreduce"`` ends ~1e-6 relative
     apart. Cost: the all-reduce moves twice the bytes, and the batch runs in chunks.
@@ -157,17 +181,18 @@ def _allreduce_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, gl
             with jax.enable_x64(True):
                 flat, unflatten = _rows((grad_sum, loss_sum) + tuple(v.astype(jnp.float64) for v in vote_rows))
                 total = unflatten(jax.lax.psum(flat, axis))
-                grad_sum = jax.tree_util.tree_map(lambda t, x: t[0].astype(x.dtype), total[0], params)
+                grad_sum = jax.tree_util.tree_map(lambda t, x: t[0].astype(_acc_dtype(x.dtype)), total[0], params)
                 rest = tuple(t[0].astype(jnp.float32) for t in total[1:])  # the loss, the votes
             return (grad_sum,) + rest
 
         def micro(carry, xs):
             grad_sum, loss_sum = carry
             loss, grads = _chunk_value_and_grad(loss_fn, params, *xs)
-            return (jax.tree_util.tree_map(jnp.add, grad_sum, grads), loss_sum + loss), None
+            grad_sum = jax.tree_util.tree_map(lambda a, g: a + g.astype(a.dtype), grad_sum, grads)
+            return (grad_sum, loss_sum + loss.astype(loss_sum.dtype)), None
 
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-        carry = (zeros, jnp.zeros((), jnp.float32))
+        zeros = jax.tree_util.tree_map(lambda p: jnp.zeros_like(p, dtype=_acc_dtype(p.dtype)), params)
+        carry = (zeros, jnp.zeros((), _loss_dtype(params)))
         if mask.shape[0] == 1:  # no accumulation: skip the loop (XLA:CPU runs loop bodies slower)
             (grad_sum, loss_sum), _ = micro(carry, jax.tree_util.tree_map(lambda x: x[0], (batch, mask)))
         else:
@@ -195,7 +220,15 @@ def _allreduce_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, gl
 
 
 def _apply(optimizer, params, opt_state, grad_sum, loss_sum, global_batch: int):
-    grads = jax.tree_util.tree_map(lambda g: g / global_batch, grad_sum)
+    """Divide the summed gradients (in their :func:`_acc_dtype`) by the global batch, round
+    them to the params' dtypes there, once, and update.
+
+    The optimizer gets gradients in the params' dtypes, not float32: its state was made by
+    ``optimizer.init(params)`` in those dtypes, and float32 gradients would promote it (adam's
+    moments, say) to float32 at the first update, so the committed state would change dtypes
+    (a second compile, a checkpoint or a rehydration whose tree no longer matches). Whoever
+    wants float32 optimizer arithmetic keeps float32 master params and casts in the loss."""
+    grads = jax.tree_util.tree_map(lambda g, p: (g / global_batch).astype(p.dtype), grad_sum, params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss_sum / global_batch
 
@@ -216,7 +249,7 @@ def _exact_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, global
     axis = mesh.axis_names[0]
 
     def per_device(params, batch, mask):  # batch [k, c, ...]: this device's chunks, in order
-        flat, unflatten = _rows(_chunk_grads(loss_fn, params, batch, mask))
+        flat, unflatten = _rows(_widen(_chunk_grads(loss_fn, params, batch, mask)))
         gathered = jax.lax.all_gather(flat, axis, tiled=True)[:chunks]  # drop padding chunks
         return jax.lax.optimization_barrier(unflatten(gathered))
 
@@ -251,9 +284,11 @@ def _rows(tree: PyTree) -> tuple[jax.Array, Callable[[jax.Array], PyTree]]:
 
 
 def _fold(tree: PyTree) -> PyTree:
-    """Sum over the leading axis as a sequential left fold (a scan: one order, every width)."""
+    """Sum over the leading axis as a sequential left fold (a scan: one order, every width),
+    in each leaf's :func:`_acc_dtype`."""
     def one(x):
-        return jax.lax.scan(lambda acc, g: (acc + g, None), jnp.zeros_like(x[0]), x)[0]
+        acc = _acc_dtype(x.dtype)
+        return jax.lax.scan(lambda a, g: (a + g.astype(acc), None), jnp.zeros_like(x[0], dtype=acc), x)[0]
 
     return jax.tree_util.tree_map(one, tree)
 

@@ -16,6 +16,17 @@ def pytest_report_header(config):
     return f"jaxft tests: python {sys.version.split()[0]}, jax {jax.__version__}, jaxlib {jaxlib.__version__}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def default_runs_dir(tmp_path_factory):
+    """Where launches without ``--run-dir`` put their default run dirs for the whole session
+    (``$JAXFT_RUNS_DIR``; helpers.clean_env keeps it): a temporary directory, not
+    ``./jaxft-runs`` in the repository the tests run from."""
+    path = tmp_path_factory.mktemp("jaxft-runs")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(helpers.RUNS_DIR_ENV, str(path))
+        yield path
+
+
 @pytest.fixture
 def run_dir(tmp_path):
     """A fresh run directory for ``jaxft launch --run-dir`` (created by the launcher)."""

@@ -27,12 +27,15 @@ REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 JAXFT = [PYTHON, "-m", "jaxft.cli"]  # the `jaxft` console script, run by this interpreter
 ALLREDUCE_WORKER = REPO / "tests" / "workers" / "allreduce.py"
+RUNS_DIR_ENV = "JAXFT_RUNS_DIR"  # where launches without --run-dir put their run dirs
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """os.environ without anything jaxft or XLA would pick up from an outer run."""
+    """os.environ without anything jaxft or XLA would pick up from an outer run; it keeps
+    ``JAXFT_RUNS_DIR`` (conftest.py points it at a temporary directory: launches without
+    ``--run-dir`` must not leave their default run dirs in the repository)."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith("JAXFT_") and k not in ("XLA_FLAGS", "JAX_PLATFORMS")
+           if (not k.startswith("JAXFT_") or k == RUNS_DIR_ENV) and k not in ("XLA_FLAGS", "JAX_PLATFORMS")
            and not k.startswith("XLA_PYTHON_CLIENT_")}
     env["JAX_PLATFORMS"] = "cpu"  # the suite runs on CPU, also on a machine with a GPU
     env["PYTHONUNBUFFERED"] = "1"

@@ -180,6 +180,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxft
 from jaxft.bench.mlp import init_params, loss_fn, make_dataset
 from jaxft.data import shard_batch
+from jaxft import votes as votes_lib
 from jaxft.loop import _votes_array, _with_votes
 from jaxft.trainer import make_train_step
 
@@ -192,7 +193,7 @@ for reduction, chunks in (("allreduce", None), ("allreduce64", 8), ("exact", 8))
     params = jax.device_put(init_params(0, 16, 32), rep)
     state = {"params": params, "opt_state": jax.device_put(opt.init(params), rep)}
     batch, mask = shard_batch(data.batch(0), mesh, chunk=G // chunks if chunks else None)
-    votes = _votes_array(np.array([0, 1, 0, 1], np.int32), mesh, "data")
+    votes = _votes_array(votes_lib.row(np.array([0, 1, 0, 1], np.int32), 0), mesh, "data")
     if reduction != "exact":  # what ElasticTrainer runs: the votes in the step's own buffer
         inner = make_train_step(loss_fn, opt, G, mesh, reduction, chunks, votes=True)
 
@@ -214,7 +215,7 @@ for reduction, chunks in (("allreduce", None), ("allreduce64", 8), ("exact", 8))
     ops = [f"{op}/{1 if not shape.startswith('(') else shape.count('[')}" for shape, op in re.findall(
         r"= (\([^)]*\)|\S+) (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(", text)]
     _, _, agreed = fn(state, batch, mask, votes)
-    print(reduction, ",".join(ops), ",".join(map(str, np.asarray(agreed).tolist())))
+    print(reduction, ",".join(ops), ",".join(map(str, np.asarray(agreed)[:4].tolist())))
 '''
 
 
@@ -308,17 +309,17 @@ FINISHED_BEFORE_JOINING = r"""
 import sys
 import jax
 import jaxft
-from jaxft import kv
+from jaxft import runs
 
 jax.distributed.initialize("127.0.0.1:%d" % int(sys.argv[1]), num_processes=1, process_id=0)
 group = jaxft.ElasticGroup()
-group.target = 10
+group.begin_run(10)
 if sys.argv[2] == "committed":
     with group.step():
         pass
 group.exit_if_finished_before_joining()
 print("still here: not finished", flush=True)
-kv.mark_finished(10)
+runs.end(1, 10)
 group.exit_if_finished_before_joining()
 print("still here: finished", flush=True)
 """

@@ -5,10 +5,13 @@ The exact reduction makes a step's bits independent of the width, so every run h
 end with the one-process run's ``params_sha256`` (each step committed once, by one commit
 query every 4 steps or by one each)."""
 
+import json
+import os
+
 import pytest
 
 from helpers import (MLP, PYTHON, by_event as of, check_agreed_run, commits_by_step, finals, one_process_shas,
-                     run_jaxft, stop_with_checkpoint, train)
+                     run_jaxft, run_python, stop_with_checkpoint, summary, train)
 
 STEPS = 30
 EXACT = ("--reduction", "exact", "--exact_chunks", "8")
@@ -97,11 +100,69 @@ def test_checkpoints_every_8_steps_are_saved_at_the_commits(tmp_path):
     assert saved == {(p, s) for p in (0, 1) for s in (8, 16)}, saved
 
 
-def test_checkpoints_between_commits_are_refused_with_a_clear_error(tmp_path):
-    proc, events = train(tmp_path, MLP, "--steps", "20", "--hidden", "16", *EVERY, "--checkpoint_every", "6", n=2)
-    assert proc.returncode != 0, proc.describe()
-    assert "every=6 is not a multiple of the loop's commit_every=4" in proc.stdout + proc.stderr, proc.describe()
-    assert not of(events, "checkpoint_saved")
+def test_checkpoints_between_commits_are_a_configuration_error_before_training(tmp_path):
+    # Before: a ValueError at the first commit, and --restart on-failure restarted both
+    # processes again and again (each life committed a step, so no crash-loop guard either).
+    # Now restore() refuses it before any step: exit 78, one line, no restart.
+    proc, events = train(tmp_path, MLP, "--steps", "20", "--hidden", "16", *EVERY, "--checkpoint_every", "6",
+                         n=2, restart="on-failure", extra=["--max-restarts", "2"], timeout=180)
+    out = proc.stdout + proc.stderr
+    assert summary(tmp_path)["restarts"] == {"0": 0, "1": 0}, proc.describe()
+    assert {e.get("code") for e in summary(tmp_path)["exits"]} == {78}, proc.describe()
+    assert proc.returncode == 1 and "Traceback" not in out, proc.describe()
+    line = "ElasticCheckpointer every=6 is not a multiple of the loop's commit_every=4"
+    assert out.count(line) == 2, proc.describe()  # one line from each process
+    assert not of(events, "commit") and not of(events, "checkpoint_saved")
+
+
+def test_checkpoints_between_commits_are_refused_at_the_first_commit_without_restore(tmp_path):
+    # A program that never calls restore() meets the same ConfigError in on_commit.
+    import types
+
+    import jaxft
+
+    ckpt = jaxft.ElasticCheckpointer(tmp_path / "ck", every=6)
+    record = types.SimpleNamespace(members=(0,), incarnations={0: 0}, step=3)
+    with pytest.raises(jaxft.ConfigError, match="every=6 is not a multiple of the loop's commit_every=4"):
+        ckpt.on_commit(types.SimpleNamespace(commit_every=4, step=4), record)
+
+
+SAVE_PENDING = r"""
+import json, os, sys
+import optax, jaxft
+from jaxft.bench import mlp
+rt = jaxft.initialize()
+data = jaxft.GlobalBatches(mlp.make_dataset(256), 32, seed=0)
+ckpt = jaxft.ElasticCheckpointer(os.path.join(sys.argv[1], "ck"), runtime=rt)
+trainer = jaxft.ElasticTrainer(mlp.loss_fn, optax.sgd(0.1), mlp.init_params(0, 16, 8), data, runtime=rt,
+                               on_commit=ckpt.on_commit, commit_every=4)
+tried = []
+
+def save_between_commits():  # before each attempt: the first time a step is pending, save
+    if trainer.loop.pending and not tried:
+        out = {"step": trainer.loop.step, "pending": trainer.loop.pending, "raised": None}
+        try:
+            ckpt.save(trainer)
+        except jaxft.CheckpointError as e:
+            out.update(raised=type(e).__name__, config=isinstance(e, jaxft.ConfigError), message=str(e))
+        tried.append(out)
+
+trainer.loop.run(8, before_attempt=save_between_commits)
+ckpt.close()
+print(json.dumps(tried))
+"""
+
+
+def test_saving_steps_not_committed_yet_is_refused(tmp_path):
+    # Before: save() wrote checkpoint 2 of a state whose step 1 was run but not committed.
+    r = run_python(SAVE_PENDING, str(tmp_path), timeout=120)
+    assert r.returncode == 0, r.describe()
+    (out,) = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (out["step"], out["pending"]) == (2, 1), out  # step 0 committed alone, step 1 ran and waits
+    assert (out["raised"], out.get("config")) == ("UncommittedSave", True), out
+    assert out["message"] == ("save() at step 2: its last 1 steps are not committed yet (commit_every=4) "
+                              "and may be undone; save from on_commit or after run()"), out
+    assert not (tmp_path / "ck").exists() or not os.listdir(tmp_path / "ck"), os.listdir(tmp_path / "ck")
 
 
 def test_a_stop_ends_a_run_with_a_commit_every_4_steps_at_one_step_with_its_checkpoint(tmp_path, marker):

@@ -110,6 +110,16 @@ def test_each_life_shows_its_own_last_lines_and_a_crash_loop_is_told_once(tmp_pa
             "before a commit: not restarted") in lines, r.stdout
 
 
+def test_a_relaunch_into_the_same_run_dir_tells_only_its_own_story(tmp_path):
+    # A run dir is reused by a relaunch (the default one always is): its earlier events stay.
+    code = "import os, sys\nprint('life', os.environ['JAXFT_INCARNATION'], flush=True)\nsys.exit(3)"
+    for _ in range(2):
+        r = launch(1, [PYTHON, "-c", code], run_dir=tmp_path, console="progress", timeout=60)
+        assert r.returncode == 1, r.describe()
+        told = [l for l in r.stdout.splitlines() if "exited with code 3" in l or l.startswith("[jaxft] incident")]
+        assert len(told) == 2, r.stdout
+
+
 def test_summary_counts_a_joiners_start_up_restore_as_no_checkpoint_restore():
     from jaxft.report import summarize
 

@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 import jaxft
 from jaxft import executables
 from jaxft.bench import mlp
+from jaxft import votes as votes_lib
 from jaxft.loop import _votes_array
 
 directory, first, then, variant = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -49,7 +50,7 @@ def step(width):
     mesh = Mesh(np.array(jax.devices()[:width]), ("data",))
     m = types.SimpleNamespace(devices=tuple(mesh.devices.flat), mesh=mesh, process_ids=(0,))
     batch, mask = loop._batch(0, m)
-    args = (loop._replicated(loop.state, m), batch, mask, _votes_array(np.zeros(1, np.int32), mesh, "data"))
+    args = (loop._replicated(loop.state, m), batch, mask, _votes_array(votes_lib.empty(1), mesh, "data"))
     logs.clear()
     out = loop._call(mesh, loop._fn_for(mesh), args)
     digest = hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(out[0]))).hexdigest()
@@ -161,6 +162,7 @@ from jax.sharding import Mesh
 import jaxft
 from jaxft import executables
 from jaxft.bench import mlp
+from jaxft import votes as votes_lib
 from jaxft.loop import _votes_array
 
 PRINT = threading.Lock()  # two threads print: one line each, never interleaved
@@ -173,7 +175,7 @@ def step(mode, ids):
     mesh = Mesh(np.array([jax.devices()[i] for i in ids]), ("data",))
     m = types.SimpleNamespace(devices=tuple(mesh.devices.flat), mesh=mesh, process_ids=(0,))
     batch, mask = loop._batch(0, m)
-    args = (loop._replicated(loop.state, m), batch, mask, _votes_array(np.zeros(1, np.int32), mesh, "data"))
+    args = (loop._replicated(loop.state, m), batch, mask, _votes_array(votes_lib.empty(1), mesh, "data"))
     out = loop._call(mesh, loop._fn_for(mesh), args)
     devices = sorted({s.device.id for x in jax.tree_util.tree_leaves(out[0]) for s in x.addressable_shards})
     digest = hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(out[0]))).hexdigest()

@@ -1,14 +1,17 @@
 """``jaxft launch`` and ``jaxft coordinator``: real processes, real signals, no jax in workers."""
 
+import os
+import re
 import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
-from helpers import (JAXFT, PYTHON, busy_port, by_event, events, free_port, launch, processes_with,
-                     read_line, run_jaxft, started, summary, wait_for)
+from helpers import (JAXFT, PYTHON, busy_port, by_event, clean_env, events, free_port, launch, processes_with,
+                     read_line, run, run_jaxft, started, summary, wait_for)
 
 FAST = 10  # seconds: every refusal of bad input must come back at least this fast
 
@@ -233,6 +236,71 @@ def test_kill_all_takes_down_a_worker_outside_the_step(run_dir):
     (swept,) = by_event(ev, "fault", source="launcher")
     assert swept["process"] == 1 and swept["action"] == "kill-all", swept
     assert "fault kill-all:step=0:phase=after-grad: sending SIGKILL to process 1" in r.stdout, r.describe()
+
+
+# -- a dead worker's children ---------------------------------------------------------------
+
+LEAVES_A_CHILD = """
+import os, signal, subprocess, sys, time
+marker, how = sys.argv[1], sys.argv[2]
+if os.environ["JAXFT_INCARNATION"] == "0":
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)", marker])  # holds our stdout
+    print("dying at", repr(time.time()), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL) if how == "sigkill" else os._exit(3)
+with open(os.path.join(os.environ["JAXFT_FAULT_STATE_DIR"], "deaths", "0-0")) as f:
+    print("recorded at", f.read(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_a_dead_workers_children_die_and_its_death_is_recorded_at_once(run_dir, marker, how):
+    # Life 0 leaves a child that holds its stdout, then dies; life 1 reads the death record.
+    r = launch(1, py(LEAVES_A_CHILD, marker, how), "--restart", "on-failure", run_dir=run_dir, timeout=60)
+    left = processes_with(marker)
+    assert left == [], f"the dead life's child outlived the launcher: {left}\n{r.describe()}"
+    assert r.returncode == 0, r.describe()
+    died = float(re.search(r"^\[0\] dying at (\S+)$", r.stdout, re.M).group(1))
+    recorded = float(re.search(r"^\[0\] recorded at (\S+)$", r.stdout, re.M).group(1))
+    assert recorded - died < 1.0, f"death recorded {recorded - died:.2f} s after it happened\n{r.describe()}"
+    (exit_,) = by_event(events(run_dir), "exit", process=0, incarnation=0)
+    assert exit_["time"] - died < 1.0, f"exit event {exit_['time'] - died:.2f} s after the death"
+
+
+# -- the default run dir --------------------------------------------------------------------
+
+DEFAULT_RUN_DIR = re.compile(r"^\[jaxft\] run dir (\S+) \(default; pass --run-dir to choose\)", re.M)
+PRINTS_RUN_DIR = "import os; print('RUN_DIR', os.environ.get('JAXFT_RUN_DIR'))"
+
+
+def _default_run_dir(*command: str, env: dict, cwd: Path, console: str = "raw") -> Path:
+    """Launch ``command`` without --run-dir from ``cwd``; the run dir it says it chose."""
+    r = run([*JAXFT, "launch", "-n", "1", "--console", console, "--", *command], env=env, cwd=cwd, timeout=60)
+    assert r.returncode == 0, r.describe()
+    found = DEFAULT_RUN_DIR.search(r.stdout)
+    assert found, f"no 'run dir ... (default; ...)' line\n{r.describe()}"
+    path = Path(os.path.realpath(cwd), found.group(1))  # the launcher's cwd is a real path
+    if console == "raw":  # the workers' $JAXFT_RUN_DIR: where their checkpoints go
+        assert f"[0] RUN_DIR {path}" in r.stdout.splitlines(), r.describe()
+    return path
+
+
+def test_without_run_dir_a_relaunch_of_the_same_command_uses_the_same_run_dir(tmp_path):
+    # Under $JAXFT_RUNS_DIR when set, else ./jaxft-runs; named after the command and the cwd.
+    runs, here, there = tmp_path / "runs", tmp_path / "here", tmp_path / "there"
+    for d in (here, there):
+        d.mkdir()
+        (d / "hello.py").write_text(PRINTS_RUN_DIR)
+    env = clean_env(JAXFT_RUNS_DIR=str(runs))
+    first = _default_run_dir(PYTHON, "hello.py", env=env, cwd=here)
+    again = _default_run_dir(PYTHON, "hello.py", env=env, cwd=here, console="progress")
+    assert first.parent == runs and first.name.startswith("hello-") and again == first, (first, again)
+    assert len(by_event(events(first), "run_start")) == 2 and summary(first)["exit_code"] == 0
+    other = _default_run_dir(PYTHON, "-c", PRINTS_RUN_DIR, env=env, cwd=here)
+    elsewhere = _default_run_dir(PYTHON, "hello.py", env=env, cwd=there)
+    assert len({first, other, elsewhere}) == 3 and other.parent == runs == elsewhere.parent, (first, other, elsewhere)
+    env.pop("JAXFT_RUNS_DIR")
+    local = _default_run_dir(PYTHON, "hello.py", env=env, cwd=here)
+    assert local.parent == Path(os.path.realpath(here), "jaxft-runs") and local.name == first.name, local
 
 
 # -- stopping -----------------------------------------------------------------------------

@@ -181,6 +181,8 @@ try:
 except Exception as e:  # NOT_FOUND is raised, not returned
     out["after_delete"] = "raised " + type(e).__name__
 client.key_value_delete("jaxft/absent")  # deleting a missing key is fine
+out["create"] = [_compat.create_key(client, "jaxft/c", "first"), _compat.create_key(client, "jaxft/c", "second"),
+                 client.key_value_try_get("jaxft/c")]
 out["live"] = {str(k): v for k, v in client.get_live_nodes([0]).items()}
 client.wait_at_barrier("jaxft_test_barrier", 5000, [0])
 print(json.dumps(out), flush=True)
@@ -193,8 +195,54 @@ service.shutdown()
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["get"] == "v2", moved(f"key_value_set/try_get changed: {out}")
     assert out["after_delete"].startswith("raised"), moved(f"key_value_try_get on a missing key: {out}")
+    assert out["create"] == [True, False, "first"], moved(f"key_value_set(allow_overwrite=False) of an existing "
+                                                          f"key no longer raises ALREADY_EXISTS: {out}")
     assert list(out["live"]) == ["0"], moved(f"get_live_nodes returned {out['live']}")
     assert isinstance(out["live"]["0"], int), moved(f"get_live_nodes values are not incarnations: {out}")
+
+
+RETIRE = """
+import json, socket, sys, threading
+from jaxft import _compat, retire
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+address = f"127.0.0.1:{port}"
+service = _compat.start_service(address, 2, heartbeat_timeout=10, shutdown_timeout=5)
+make = _compat.client_factory()
+clients = [make(address, p, init_timeout=20, heartbeat_timeout=10) for p in (0, 1)]
+threads = [threading.Thread(target=c.connect) for c in clients]  # (registration waits for both)
+[t.start() for t in threads]
+[t.join() for t in threads]
+before = clients[0].get_live_nodes([0])[0], clients[1].get_live_nodes([1])[1]
+if sys.argv[1] == "helper":  # through the launcher's helper process
+    r = retire.Retirer(address)
+    r.start()
+    r._ready.wait(60)
+    said = r.retire(1, 30.0)
+    r.close()
+else:
+    _compat.retire_life(address, 1)
+    said = "done 1"
+# the old life of 1 asks too (as a member that entered a query before dying would have)
+threading.Thread(target=clients[1].get_live_nodes, args=([0, 1],), daemon=True).start()
+after = {str(k): int(v) for k, v in clients[0].get_live_nodes([0, 1]).items()}
+print(json.dumps({"before": [int(x) for x in before], "after": after, "said": said}), flush=True)
+import os
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("how", ["in-process", "helper"])
+def test_a_retired_life_is_named_with_a_new_incarnation(how):
+    """``retire_life`` registers a new incarnation of a live process at once: every later
+    liveness answer names it (what makes a member late to a query see the dead life gone)."""
+    r = run_python(RETIRE, how, timeout=120)
+    assert r.returncode == 0, moved("a client connecting as another process no longer registers it") + r.describe()
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["said"] == "done 1", out
+    assert out["after"]["0"] == out["before"][0], moved(f"the other process's incarnation changed: {out}")
+    assert out["after"]["1"] != out["before"][1], moved(f"retire_life did not change the incarnation: {out}")
 
 
 def test_backend_started_tracks_the_backend():
@@ -267,6 +315,8 @@ def test_cpu_rendezvous_keys_and_live_devices_state(tmp_path):
                                               "are no longer named cpu:gloo/...")
     assert out["topology_before"] is True, moved("the CPU backend's global topology key is no longer "
                                                  "cpu:global_topology/cpu")
+    assert out["gloo_listener_advertised"] is True, moved(f"gloo's rendezvous records no longer advertise its "
+                                                          f"listener as _compat.gloo_listen_address reads them: {out}")
     assert out["gloo_keys_after"] == 0 and out["topology_after"] is False, out
     assert [p for p, _ in out["live_map"]] == [0, 1], moved(f"live_devices.devices changed: {out['live_map']}")
     assert all(isinstance(i, int) for _, i in out["live_map"]), out

@@ -16,6 +16,7 @@ import jax, numpy as np, optax
 from jax.sharding import Mesh
 import jaxft
 from jaxft.bench.mlp import init_params, loss_fn, make_dataset
+from jaxft import votes as votes_lib
 from jaxft.loop import _votes_array
 
 compiles = []
@@ -42,7 +43,7 @@ for warm, width in ((True, 3), (False, 2)):
     compiles.clear()
     args = (loop._replicated(loop.state, m), batch, mask)
     if admission == "ready":
-        args += (_votes_array(np.zeros(1, np.int32), mesh, "data"),)
+        args += (_votes_array(votes_lib.empty(1), mesh, "data"),)
     jax.block_until_ready(loop._call(mesh, loop._fn_for(mesh), args))  # as try_step calls it
     print("warm" if warm else "cold", len(compiles))
 '''

@@ -152,7 +152,8 @@ def main(argv):
         os.makedirs(FLAGS.final_params, exist_ok=True)
         np.savez(os.path.join(FLAGS.final_params, f"final-p{rt.process_id}.npz"),
                  **{k: np.asarray(v) for k, v in state.params.items()})
-    print(f"done: step {state.step} loss {trainer.last_loss:.6f}", flush=True)
+    loss = "n/a (no step trained in this life)" if trainer.last_loss is None else f"{trainer.last_loss:.6f}"
+    print(f"done: step {state.step} loss {loss}", flush=True)
 
 
 if __name__ == "__main__":

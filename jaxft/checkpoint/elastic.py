@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from jaxft.checkpoint.store import CheckpointStore, Restored, _Save
 from jaxft import envvars, stopping
-from jaxft.errors import CheckpointDirectoryError
+from jaxft.errors import CheckpointDirectoryError, ConfigError, UncommittedSave
 from jaxft.events import EventLog
 from jaxft.timeouts import Timeouts
 
@@ -37,6 +37,25 @@ def _loop(trainer):
     if trainer_pull is not None:
         trainer_pull()
     return getattr(trainer, "loop", trainer)
+
+
+def check_every(every: int, loop) -> None:
+    """Refuse a checkpoint interval the loop's commits never land on: ``on_commit`` runs once
+    per commit, at multiples of ``commit_every``, so the other saves would silently not happen.
+    A :class:`ConfigError` (exit 78): a restart would only repeat it."""
+    n = getattr(loop, "commit_every", 1)
+    if every and every % n:
+        raise ConfigError(f"ElasticCheckpointer every={every} is not a multiple of the loop's commit_every={n}: "
+                          "on_commit runs once per commit, so saves between two commits would never happen")
+
+
+def check_committed(loop) -> None:
+    """Refuse to save steps run but not committed yet (``commit_every``): they may be undone."""
+    pending = getattr(loop, "pending", 0)
+    if pending:
+        raise UncommittedSave(f"save() at step {loop.step}: its last {pending} steps are not committed yet "
+                              f"(commit_every={loop.commit_every}) and may be undone; save from on_commit or "
+                              "after run()")
 
 
 def resolve_directory(directory: str | os.PathLike | None, environ=os.environ) -> str:
@@ -103,6 +122,7 @@ class ElasticCheckpointer:
         ``restore_deferred`` event; returns None), and restores only if its first step turns
         out to be a cold start after all (every member died while it set up, or before)."""
         loop = _loop(trainer)
+        check_every(self.every, loop)  # before training: not at the first commit
         if self._peers_train_on(loop):
             self.events.log("restore_deferred", step=loop.step)
             loop.group.on_cold_start(lambda: self._restore(loop))
@@ -133,10 +153,7 @@ class ElasticCheckpointer:
 
     def on_commit(self, trainer, record) -> None:
         """The trainer hook: abandon saves waiting on dead members; save every ``every`` steps."""
-        n = getattr(_loop(trainer), "commit_every", 1)
-        if self.every and self.every % n:  # (it runs once per commit: at multiples of n)
-            raise ValueError(f"every={self.every} is not a multiple of the loop's commit_every={n}: "
-                             "steps between two commits are never seen by on_commit, so some saves would not happen")
+        check_every(self.every, _loop(trainer))  # (restore() checked it, if it was called)
         self._last_record = record
         incs = _incarnations(record, trainer)
         self.store.notice_members(record.members, incs)
@@ -157,11 +174,13 @@ class ElasticCheckpointer:
         one :meth:`on_commit` saw) must call it at the same commit: from ``on_commit``
         with a condition that depends on the step only, or after ``trainer.run`` returns.
         Returns once the host snapshot is taken; the write goes on in the background.
+        Raises :class:`~jaxft.errors.UncommittedSave` while steps are pending (``commit_every``).
         """
+        loop = _loop(trainer)
+        check_committed(loop)
         record = record if record is not None else self._last_record
         if record is None:
             raise ValueError("save() needs the StepRecord of the commit to save (no commit seen yet)")
-        loop = _loop(trainer)
         step = int(loop.step)
         incs = incarnations if incarnations is not None else _incarnations(record, trainer)
         meta = dict(self.metadata)

@@ -1,10 +1,11 @@
 """Test worker: the CPU backend's rendezvous keys and live_devices' state, as jaxft._compat uses them.
 
 Run by tests/test_private_api.py under ``jaxft launch -n 2``. Process 0 logs a
-``private_keys`` event: which keys exist after a cross-process computation, whether
-:func:`jaxft._compat.delete_stale_cpu_keys` removed them, whether ``live_devices``' map
-holds incarnations, and whether a backend rebuild (what a rejoin does) then computes
-again with the map re-keyed.
+``private_keys`` event: which keys exist after a cross-process computation (and whether
+gloo's records advertise its listener as :func:`jaxft._compat.gloo_listen_address` reads
+them), whether :func:`jaxft._compat.delete_stale_cpu_keys` removed them, whether
+``live_devices``' map holds incarnations, and whether a backend rebuild (what a rejoin does)
+then computes again with the map re-keyed.
 """
 
 import jaxft
@@ -18,7 +19,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.extend import backend as jax_backend  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jaxft import _compat, kv  # noqa: E402
+from jaxft import _compat, breaker, kv  # noqa: E402
 
 
 def cross_process_sum() -> float:
@@ -33,6 +34,15 @@ def cross_process_sum() -> float:
 
 def keys(prefix: str) -> list[str]:
     return sorted(k for k, _ in kv.client().key_value_dir_get_bytes(prefix))
+
+
+def gloo_listener_advertised() -> bool:
+    """Whether one of the addresses gloo's records advertise is a listener of this process."""
+    table, mine = breaker._tcp_sockets(), breaker._my_sockets()
+    listening = {table[i].local for i in mine if i in table and table[i].state == "0A"}
+    values = [v for _, v in kv.client().key_value_dir_get_bytes(_compat.GLOO_KEY_PREFIX)]
+    addresses = [_compat.gloo_listen_address(v) for v in values]
+    return bool(values) and None not in addresses and any(breaker._endpoint(*a) in listening for a in addresses)
 
 
 def has(key: str) -> bool:
@@ -52,6 +62,7 @@ client.wait_at_barrier("pk_computed", 30_000, [0, 1])
 if rt.process_id == 0:
     out["gloo_keys_before"] = len(keys(_compat.GLOO_KEY_PREFIX))
     out["topology_before"] = has(_compat.GLOBAL_TOPOLOGY_KEY)
+    out["gloo_listener_advertised"] = gloo_listener_advertised()
     _compat.delete_stale_cpu_keys(client, topology=True)
     out["gloo_keys_after"] = len(keys(_compat.GLOO_KEY_PREFIX))
     out["topology_after"] = has(_compat.GLOBAL_TOPOLOGY_KEY)

@@ -1,0 +1,74 @@
+"""Test worker: the MLP of ``jaxft.bench.mlp`` trained by one or more ``run()`` calls, with a
+data source that can fail on purpose.
+
+  --runs 20,80             run(20), then run(80) (a continuation), in one program
+  --fail_batch P:K[:N]     process P's data source raises at step K, the first N times (1)
+  --pipeline / --commit_every N / --step_sleep S / --reduction R / --checkpoint_every C
+"""
+
+import argparse
+import os
+import time
+
+import jaxft
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--runs", default="20")
+parser.add_argument("--fail_batch", default="")
+parser.add_argument("--pipeline", action="store_true")
+parser.add_argument("--commit_every", type=int, default=1)
+parser.add_argument("--step_sleep", type=float, default=0.0)
+parser.add_argument("--reduction", default="allreduce")
+parser.add_argument("--checkpoint_every", type=int, default=0)
+args, _ = parser.parse_known_args()
+rt = jaxft.initialize()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from jaxft.bench.mlp import init_params, loss_fn, make_dataset  # noqa: E402
+
+
+class FlakyBatches(jaxft.GlobalBatches):
+    """GlobalBatches whose ``batch(step)`` raises on one process at one step, a few times."""
+
+    def __init__(self, *a, fail: str = "", **k):
+        super().__init__(*a, **k)
+        self.fail = tuple(int(x) for x in fail.split(":")) if fail else None
+        self.raised = 0
+
+    def batch(self, step):
+        if self.fail is not None:
+            process, at, times = (self.fail + (1,))[:3]
+            if rt.process_id == process and step == at and self.raised < times:
+                self.raised += 1
+                raise OSError(f"the data source of process {process} could not read step {step} (on purpose)")
+        return super().batch(step)
+
+
+params = jax.tree_util.tree_map(np.array, init_params(0, 16, 32))
+data = FlakyBatches(make_dataset(1024), 96, seed=0, fail=args.fail_batch)
+ckpt = None
+if args.checkpoint_every:
+    ckpt = jaxft.ElasticCheckpointer(os.path.join(os.environ["JAXFT_RUN_DIR"], "checkpoints"),
+                                     every=args.checkpoint_every, runtime=rt, data=data)
+
+
+def on_commit(trainer, record):
+    if ckpt is not None:
+        ckpt.on_commit(trainer, record)
+    if args.step_sleep:
+        time.sleep(args.step_sleep)
+
+
+trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(1e-2), params, data, runtime=rt, on_commit=on_commit,
+                               reduction=args.reduction, exact_chunks=8 if args.reduction != "allreduce" else None,
+                               pipeline=args.pipeline, commit_every=args.commit_every, check_every=0)
+if ckpt is not None:
+    ckpt.restore(trainer)
+for target in (int(x) for x in args.runs.split(",")):
+    state = trainer.run(target)
+    print(f"run({target}) returned at step {state.step}", flush=True)
+if ckpt is not None:
+    ckpt.close()
