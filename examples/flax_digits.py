@@ -24,10 +24,10 @@ flags.DEFINE_float("step_sleep", 0.0, "seconds to sleep per committed step, in o
 flags.DEFINE_integer("checkpoint_every", 0, "async Orbax checkpoint every K steps (0: off); restores on start")
 flags.DEFINE_string("checkpoint_dir", None, "checkpoint directory (default: $JAXFT_RUN_DIR/checkpoints)")
 flags.DEFINE_integer("precompile", 0, "compile the step for the member sets one failure away in the "
-                     "background while there are at most this many members (0: off; jaxft.warmup)")
+                     "background while there are at most this many members (0: off; jaxft.worker.warmup)")
 flags.DEFINE_enum("admission", "ready", ["ready", "connect"],
                   "connect: a restarted process is a member from its first step (the others wait for its "
-                  "set-up); ready: the others train on and admit it once it is ready (jaxft.admission)")
+                  "set-up); ready: the others train on and admit it once it is ready (jaxft.worker.admission)")
 flags.DEFINE_bool("pipeline", False, "start each step's program before the previous step's commit query "
                   "(jaxft.ElasticLoop's pipeline)")
 flags.DEFINE_integer("commit_every", 1, "one commit query per this many steps (jaxft.ElasticLoop's commit_every: "
@@ -72,7 +72,7 @@ def main(_):
     import optax
 
     if FLAGS.checkpoint_every:
-        from jaxft import checkpoint  # noqa: F401 - Orbax imports slowly
+        from jaxft.worker import checkpoint  # noqa: F401 - Orbax imports slowly
     train, test = load()
     model = make_model()
     rt = jaxft.initialize(wait_until_forgotten=FLAGS.admission == "ready")  # before any JAX computation
@@ -88,7 +88,7 @@ def main(_):
     data = jaxft.GlobalBatches(train, FLAGS.global_batch, seed=FLAGS.seed)
     ckpt = None
     if FLAGS.checkpoint_every:
-        from jaxft.checkpoint import resolve_directory
+        from jaxft.worker.checkpoint import resolve_directory
 
         ckpt = jaxft.ElasticCheckpointer(resolve_directory(FLAGS.checkpoint_dir), every=FLAGS.checkpoint_every,
                                          runtime=rt, data=data, metadata={"model": "flax_digits_cnn"})
@@ -106,7 +106,8 @@ def main(_):
             time.sleep(FLAGS.step_sleep * max(steps, 1))
         printed[1] = record.step
 
-    trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params, data, runtime=rt, micro_batch=FLAGS.micro_batch or None,
+    trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params, data, runtime=rt,
+                                   micro_batch=FLAGS.micro_batch or None,
                                    check_every=FLAGS.check_every, on_commit=on_commit,
                                    group=jaxft.ElasticGroup(admission=FLAGS.admission), precompile=FLAGS.precompile,
                                    pipeline=FLAGS.pipeline, commit_every=FLAGS.commit_every)

@@ -57,9 +57,8 @@ def main(_):
     source = RegressionSource(FLAGS.num_examples)
     rt = jaxft.initialize()
     import jax
-    import numpy as np
-
     import jax.numpy as jnp
+    import numpy as np
 
     data = jaxft.GrainBatches(source, FLAGS.global_batch, seed=FLAGS.seed, num_threads=2, prefetch=2)
     k1, k2 = jax.random.split(jax.random.key(FLAGS.seed))

@@ -11,9 +11,9 @@ process. Here any process may die, process 0 included: a restarted process is re
 import time
 
 from absl import app, flags, logging
+from guide_data import linear_data  # examples/ is on sys.path when run as a script
 
 import jaxft
-from guide_data import linear_data  # examples/ is on sys.path when run as a script
 
 flags.DEFINE_integer("steps", 50, "steps to train")
 flags.DEFINE_float("step_sleep", 0.0, "seconds to sleep after each commit (to stretch demos and tests)")
@@ -28,7 +28,9 @@ def main(_):
     import optax
 
     data = linear_data()  # the same data as example 1
-    loss_fn = lambda w, b: (w["a"] * b["x"] - b["y"]) ** 2  # per-example loss
+    def loss_fn(w, b):  # per-example loss
+        return (w["a"] * b["x"] - b["y"]) ** 2
+
     on_commit = (lambda _trainer, _record: time.sleep(FLAGS.step_sleep)) if FLAGS.step_sleep else None
     trainer = jaxft.ElasticTrainer(loss_fn, optax.sgd(1e-6), {"a": np.float32(0.0)}, data, runtime=rt,
                                    on_commit=on_commit)

@@ -9,9 +9,9 @@ the number of processes: step k always uses the same 60 examples.
 """
 
 from absl import app, flags, logging
+from guide_data import linear_data  # examples/ is on sys.path when run as a script
 
 import jaxft
-from guide_data import linear_data  # examples/ is on sys.path when run as a script
 
 flags.DEFINE_integer("steps", 50, "steps to train")
 flags.DEFINE_float("learning_rate", 1e-6, "SGD learning rate")
@@ -24,12 +24,15 @@ def main(_):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     data = linear_data()
 
     def grad_fn(w, batch, mask):  # mean squared error over the real (unpadded) examples
-        loss = lambda w: jnp.sum(mask * (w * batch["x"] - batch["y"]) ** 2) / 60
+        def loss(w):
+            return jnp.sum(mask * (w * batch["x"] - batch["y"]) ** 2) / 60
+
         return jax.value_and_grad(loss)(w)
 
     group, weights, step = jaxft.ElasticGroup(), np.float32(0.0), 0

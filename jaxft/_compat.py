@@ -4,7 +4,7 @@ jaxft needs a few things upstream has no public API for yet. Each function here 
 why it is needed and what would replace it. The supported jax range is pinned in
 ``pyproject.toml``; ``tests/test_private_api.py`` checks the *behaviour* of each one
 (not only that the name exists), so a release that moves one fails loudly there.
-(Orbax internals live in :mod:`jaxft.checkpoint.orbax`, the only module touching them.)
+(Orbax internals live in :mod:`jaxft.worker.checkpoint.orbax`, the only module touching them.)
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import contextlib
 import logging
 import socket
 import struct
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 from jaxft.errors import InitializeError
 
@@ -111,7 +112,7 @@ def create_key(client: Any, key: str, value: str) -> bool:
     """
     try:
         client.key_value_set(key, value, allow_overwrite=False)
-    except Exception as e:  # noqa: BLE001 - told apart by its status below
+    except Exception as e:
         if str(e).lstrip().startswith("ALREADY_EXISTS"):
             return False
         raise
@@ -138,7 +139,7 @@ def retire_life(address: str, process_id: int, timeout_s: float = 2.0) -> None:
     incarnation sends no heartbeat and is declared dead in turn, or replaced by the real
     restart when that connects.
 
-    A jax client that meets an error terminates its process: :mod:`jaxft.retire` calls this
+    A jax client that meets an error terminates its process: :mod:`jaxft.supervisor.retire` calls this
     in a helper process of the launcher, never in the launcher itself.
 
     Private: ``jax._src.lib._jax.get_distributed_runtime_client`` (:func:`client_factory`), the

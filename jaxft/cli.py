@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
-from jaxft import bench, crashloop, report
+from jaxft import bench
 from jaxft.coordinator import DEFAULT_HEARTBEAT_TIMEOUT, Coordinator, serve_forever
 from jaxft.errors import Error, LaunchError
-from jaxft.launcher import RESTART_POLICIES, LaunchConfig, Launcher, detect_gpus
+from jaxft.supervisor import crashloop, report
+from jaxft.supervisor.launcher import RESTART_POLICIES, LaunchConfig, Launcher, detect_gpus
 from jaxft.timeouts import Timeouts
 
 
@@ -20,7 +21,7 @@ def _gpus(value: str) -> list[int] | str:
     try:
         return [int(x) for x in value.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--gpus takes auto, all, none or a list like 0,1,2; got {value!r}")
+        raise argparse.ArgumentTypeError(f"--gpus takes auto, all, none or a list like 0,1,2; got {value!r}") from None
 
 
 def _add_launch(sub) -> None:

@@ -8,65 +8,17 @@ expendable. The service factory is private jax API (reached through :mod:`jaxft.
 
 from __future__ import annotations
 
-import errno
 import signal
-import socket
 import threading
-import time
 from typing import Any
 
 from jaxft import _compat
 from jaxft.errors import CoordinatorError
+from jaxft.net import check_port_free, format_address, free_port
 from jaxft.timeouts import Timeouts
 
 DEFAULT_HEARTBEAT_TIMEOUT = int(Timeouts.heartbeat)
 DEFAULT_SHUTDOWN_TIMEOUT = int(Timeouts.shutdown)
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Raise :class:`CoordinatorError` if ``host:port`` cannot be bound right now."""
-    if not 0 < port < 65536:
-        raise CoordinatorError(f"port {port} is out of range 1..65535")
-    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host.strip("[]"), port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise CoordinatorError(f"port {port} on {host} is already in use; pick another "
-                                       "with --port (or 0 for a free one)") from None
-            raise CoordinatorError(f"cannot bind {host}:{port}: {e.strerror}") from None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free on ``host`` at the time of asking."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
-def wait_reachable(address: str, timeout: float) -> str | None:
-    """Poll a TCP connection to ``host:port`` for up to ``timeout`` seconds.
-
-    Returns None once it connects, else why the last attempt failed (no exception, so each
-    caller raises its own error: the launcher's, or initialize()'s).
-    """
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        return f"{address!r} is not host:port"
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
-                return None
-        except OSError as e:
-            if time.monotonic() >= deadline:
-                return e.strerror or str(e)
-            time.sleep(0.2)
 
 
 class Coordinator:
@@ -107,7 +59,7 @@ class Coordinator:
             self._service.shutdown()
             self._service = None
 
-    def __enter__(self) -> "Coordinator":
+    def __enter__(self) -> Coordinator:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -8,7 +8,7 @@ name them without loading jax.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class Error(Exception):
@@ -17,13 +17,12 @@ class Error(Exception):
 
 # A worker that stops on a ConfigError exits with this code (sysexits' EX_CONFIG), and
 # the launcher does not restart it: a restart would only repeat the error.
-EXIT_CONFIG_ERROR = 78
 
 
 class ConfigError(Error):
     """A configuration error (a checkpoint of another model, a file where a directory is
     needed, ...): not a fault. Uncaught in a worker, it ends the worker with
-    :data:`EXIT_CONFIG_ERROR` and a one-line message, and the launcher does not retry it."""
+    :data:`jaxft.protocol.EXIT_CONFIG_ERROR` and a one-line message, and the launcher does not retry it."""
 
 
 class InitializeError(Error, RuntimeError):

@@ -16,7 +16,8 @@ import json
 import logging
 import os
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 EVENTS_FILE = "events.jsonl"
 

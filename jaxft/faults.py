@@ -47,9 +47,9 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
-from jaxft import envvars
+from jaxft import protocol
 from jaxft.errors import FaultSpecError
 
 ACTIONS = ("kill", "kill-all", "stop", "hang")
@@ -236,9 +236,9 @@ class FaultInjector:
 
     @classmethod
     def from_env(cls, process_id: int, on_fire: Callable[[FaultRule, int], None] | None = None,
-                 environ=os.environ) -> "FaultInjector":
-        return cls(parse_rules(environ.get(envvars.FAULTS)), process_id,
-                   environ.get(envvars.FAULT_STATE_DIR), on_fire)
+                 environ=os.environ) -> FaultInjector:
+        return cls(parse_rules(environ.get(protocol.FAULTS)), process_id,
+                   environ.get(protocol.FAULT_STATE_DIR), on_fire)
 
     def quiet_at(self, step: int) -> bool:
         """Whether no rule of this process can fire at ``step`` (at any phase): a step that

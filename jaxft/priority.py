@@ -1,5 +1,8 @@
 """A restarted worker sets up at a low CPU priority, and takes its normal one back when it joins.
 
+Both sides of it live here (it is part of the launcher-worker contract, with
+:data:`jaxft.protocol.BASE_NICE`): the launcher lowers, the worker restores.
+
 While a restarted process imports, connects and builds its model, the survivors train on
 without it (ready admission); on a machine whose cores the workers share, its set-up used
 to slow their steps (seen: width-3 steps at 0.16-0.25 s instead of 0.13 s for the 3-6 s a
@@ -20,9 +23,10 @@ from __future__ import annotations
 import logging
 import os
 
+from jaxft.protocol import BASE_NICE
+
 logger = logging.getLogger(__name__)
 
-BASE_NICE = "JAXFT_BASE_NICE"  # the nice value a niced restart returns to when it joins
 SETUP_NICE = 10  # how much nicer a restarted worker sets up with `jaxft launch --nice-restarts` 10
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 
-from jaxft import envvars
+from jaxft import protocol
 from jaxft.errors import TimeoutsError
 
 
@@ -28,10 +28,10 @@ class Timeouts:
       barrier: the watchdog bound of a membership barrier (entering or leaving a step);
         a process that waits longer exits rather than hang.
       step: the floor of the step deadline: a member stuck this long (and at least 10x
-        the recent median step) while others wait for it is hung (see jaxft.hang).
+        the recent median step) while others wait for it is hung (see jaxft.worker.hang).
       stuck: a member still inside a step this long (and at least 2x the recent median step)
         after the launcher recorded another member's death during it, while others wait for
-        it, leaves and rejoins (gloo can leave a send pending until ``collective``; see jaxft.hang).
+        it, leaves and rejoins (gloo can leave a send pending until ``collective``; see jaxft.worker.hang).
       setup: the step deadline during set-up, a compile for a new mesh, a rejoin.
       reset: the barrier of the CPU data-plane rebuild when the live set gains members.
       save_barrier: each blocking Orbax barrier of a save, and how long a save waits for
@@ -73,14 +73,14 @@ class Timeouts:
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
 
-    def replace(self, **changes: float | None) -> "Timeouts":
+    def replace(self, **changes: float | None) -> Timeouts:
         """A copy with the given fields changed (None values are ignored)."""
         unknown = set(changes) - set(self.names())
         if unknown:
             raise TimeoutsError(f"unknown timeout(s) {sorted(unknown)}; known: {', '.join(self.names())}")
         return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
 
-    def updated(self, specs: Mapping[str, str] | list[str] | str) -> "Timeouts":
+    def updated(self, specs: Mapping[str, str] | list[str] | str) -> Timeouts:
         """A copy with ``NAME=SECONDS`` settings applied (a list, or one comma-separated string)."""
         if isinstance(specs, str):
             specs = [s for s in specs.split(",") if s.strip()]
@@ -95,27 +95,27 @@ class Timeouts:
         return self.replace(**changes)
 
     def encode(self) -> str:
-        """``name=value,...`` for the worker environment (:data:`envvars.TIMEOUTS`)."""
+        """``name=value,...`` for the worker environment (:data:`protocol.TIMEOUTS`)."""
         return ",".join(f"{f}={getattr(self, f):g}" for f in self.names())
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "Timeouts":
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> Timeouts:
         """The settings ``jaxft launch`` handed down (defaults where absent)."""
         t = cls()
-        raw = environ.get(envvars.TIMEOUTS)
+        raw = environ.get(protocol.TIMEOUTS)
         if raw:
             t = t.updated(raw)
         # The older single-purpose variables still win where set (they are what users set by hand).
-        for name, var in (("heartbeat", envvars.HEARTBEAT_TIMEOUT), ("collective", envvars.COLLECTIVE_TIMEOUT)):
+        for name, var in (("heartbeat", protocol.HEARTBEAT_TIMEOUT), ("collective", protocol.COLLECTIVE_TIMEOUT)):
             if environ.get(var):
                 t = t.updated({name: environ[var]})
         return t
 
     def export(self, environ: MutableMapping[str, str]) -> None:
         """Write these settings into a child's environment."""
-        environ[envvars.TIMEOUTS] = self.encode()
-        environ[envvars.HEARTBEAT_TIMEOUT] = f"{int(self.heartbeat)}"
-        environ[envvars.COLLECTIVE_TIMEOUT] = f"{int(self.collective)}"
+        environ[protocol.TIMEOUTS] = self.encode()
+        environ[protocol.HEARTBEAT_TIMEOUT] = f"{int(self.heartbeat)}"
+        environ[protocol.COLLECTIVE_TIMEOUT] = f"{int(self.collective)}"
 
     def describe(self, name: str) -> str:
         """``"Timeouts.reset=60 s (set with jaxft launch --timeout reset=SECONDS)"``."""

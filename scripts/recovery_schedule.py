@@ -7,7 +7,8 @@ The fault-free run is repeated after the faulty one (``--fault-free-runs 2``, th
 the goodput is taken against the mean of the two: on this 2-core machine the same fault-free
 run took anywhere from 55 to 75 s minutes apart, a drift of several seconds per kill.
 
-    .venv/bin/python scripts/recovery_schedule.py [--admission ready|connect] [--steps 450] [--reduction allreduce64|exact] [--precompile 8] [--pipeline] [--commit-every N] [--fault-free-runs 1]
+    .venv/bin/python scripts/recovery_schedule.py [--admission ready|connect] [--steps 450]
+        [--reduction allreduce64|exact] [--precompile 8] [--pipeline] [--commit-every N] [--fault-free-runs 1]
 """
 
 import argparse
@@ -19,8 +20,8 @@ import sys
 import tempfile
 
 from jaxft.bench.chaos import final_params, params_diff, reduction_flags, run_figures
-from jaxft.report import first_commits
 from jaxft.events import read_events
+from jaxft.supervisor.report import first_commits
 
 
 def run(base: str, name: str, steps: int, admission: str, faults: list[str], reduction: str,
@@ -54,7 +55,7 @@ def main() -> None:
     ap.add_argument("--admission", default="ready")
     ap.add_argument("--steps", type=int, default=450)
     ap.add_argument("--reduction", choices=("allreduce", "allreduce64", "exact"), default="allreduce")
-    ap.add_argument("--precompile", type=int, default=0, help="mlp --precompile (jaxft.warmup); 0: off")
+    ap.add_argument("--precompile", type=int, default=0, help="mlp --precompile (jaxft.worker.warmup); 0: off")
     ap.add_argument("--fault-free-runs", type=int, choices=(1, 2), default=2,
                     help="2: the fault-free run before and after the faulty one, goodput against their mean")
     ap.add_argument("--pipeline", action="store_true", help="mlp --pipeline (jaxft.ElasticLoop) in every run")

@@ -86,6 +86,8 @@ if [ -n "$python312" ]; then
     setup_venv "$python312" .venv312 && setup312_ok=1  # jaxft itself (the dependencies are there)
 fi
 if [ "$setup311_ok" = 1 ]; then
+    log "ruff (lint, pyproject.toml's rules)"
+    .venv/bin/python -m ruff check jaxft tests examples scripts || status=1
     log "full suite on $(.venv/bin/python --version 2>&1)"
     .venv/bin/python -m pytest --durations=25 "$@" || status=1
 else

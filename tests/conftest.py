@@ -6,7 +6,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # `import helpers` from any test module
 
-import helpers  # noqa: E402
+import helpers
 
 
 def pytest_report_header(config):

@@ -17,7 +17,7 @@ import os
 import signal
 import subprocess
 import time
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 
@@ -47,7 +47,7 @@ class Hosts:
         self.gateway = f"{self.subnet}.254"  # the root namespace's address on the bridge
         self._made: list[tuple[str, str]] = []
 
-    def open(self) -> "Hosts":
+    def open(self) -> Hosts:
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             self._made.append(("bridge", self.bridge))

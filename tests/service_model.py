@@ -19,22 +19,23 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 
 @dataclasses.dataclass
 class _Pending:
     tasks: frozenset[int]
     asked: dict[int, Hashable] = dataclasses.field(default_factory=dict)  # task -> label
-    waiters: list = dataclasses.field(default_factory=list)  # (event, box)
+    waiters: list = dataclasses.field(default_factory=list)  # done(answer) callbacks
 
 
 class ServiceModel:
     """The liveness queries of one coordination service with ``n`` processes (ids 0..n-1)."""
 
     def __init__(self, n: int, wait_s: float = 10.0):
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (a done callback may ask again)
         self.incarnation = {p: 1000 + p for p in range(n)}
+        self._lives = 1000 + n  # the last incarnation handed out
         self.alive = set(range(n))
         self.pending: list[_Pending] = []
         self.completed: list[tuple[frozenset[int], dict[int, Hashable], dict[int, int]]] = []
@@ -43,6 +44,20 @@ class ServiceModel:
     def ask(self, task: int, pids: Iterable[int], label: Hashable = None) -> dict[int, int]:
         """``get_live_nodes(pids)`` by ``task`` (blocking, bounded by ``wait_s``)."""
         event, box = threading.Event(), {}
+
+        def done(answer: dict[int, int]) -> None:
+            box["answer"] = answer
+            event.set()
+
+        self.submit(task, pids, done, label)
+        if not event.wait(self.wait_s):
+            raise TimeoutError(f"process {task}'s query over {sorted(pids)} never completed")
+        return dict(box["answer"])
+
+    def submit(self, task: int, pids: Iterable[int], done: Callable[[dict[int, int]], None],
+               label: Hashable = None) -> None:
+        """``get_live_nodes(pids)`` by ``task`` without blocking: ``done(answer)`` is called when
+        the query completes (at once, if this ask completes it)."""
         with self._lock:
             key = frozenset(pids)
             state = next((s for s in self.pending if s.tasks == key), None)
@@ -50,11 +65,8 @@ class ServiceModel:
                 state = _Pending(key)
                 self.pending.append(state)
             state.asked[task] = label
-            state.waiters.append((event, box))
+            state.waiters.append(done)
             self._refresh()
-        if not event.wait(self.wait_s):
-            raise TimeoutError(f"process {task}'s query over {sorted(pids)} never completed")
-        return dict(box["answer"])
 
     def waiting(self, task: int, pids: Iterable[int]) -> bool:
         """Whether ``task`` is counted in the pending query over ``pids``."""
@@ -68,9 +80,10 @@ class ServiceModel:
             self._refresh()
 
     def new_life(self, task: int) -> None:
-        """``task`` registers again: a new incarnation, alive."""
+        """``task`` registers again: a new incarnation (never one seen before), alive."""
         with self._lock:
-            self.incarnation[task] += 1
+            self._lives += 1
+            self.incarnation[task] = self._lives
             self.alive.add(task)
             self._refresh()
 
@@ -79,8 +92,7 @@ class ServiceModel:
             alive = state.tasks & self.alive
             if alive <= set(state.asked):
                 answer = {p: self.incarnation[p] for p in alive}
-                for event, box in state.waiters:
-                    box["answer"] = answer
-                    event.set()
+                for done in state.waiters:
+                    done(dict(answer))
                 self.pending.remove(state)
                 self.completed.append((state.tasks, dict(state.asked), answer))

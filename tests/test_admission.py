@@ -3,8 +3,8 @@ at a step every member agreed on, and the run computes what the fault-free run c
 
 import numpy as np
 import pytest
-
-from helpers import MLP, by_event as of, commits_by_step, finals, free_port, run_python, train
+from helpers import MLP, commits_by_step, finals, free_port, run_python, train
+from helpers import by_event as of
 
 STEPS = 120
 EXACT = ("--reduction", "exact", "--exact_chunks", "8")  # the result does not depend on the width
@@ -30,8 +30,8 @@ def reference(tmp_path_factory):
 def test_members_train_on_while_a_restarted_process_sets_up(reference, tmp_path):
     out = tmp_path / "final"
     proc, events = train(tmp_path, MLP, "--steps", str(STEPS), "--admission", "ready", "--check_every", "5",
-                         "--step_sleep", "0.1", *EXACT, "--final_params", str(out), faults=["kill:process=1:step=10:phase=before-step"],
-                         restart="on-failure")
+                         "--step_sleep", "0.1", *EXACT, "--final_params", str(out),
+                         faults=["kill:process=1:step=10:phase=before-step"], restart="on-failure")
     why = proc.describe()
     assert proc.returncode == 0, why
     f = finals(events)
@@ -92,7 +92,7 @@ def test_kill_inside_the_all_reduce_of_four_then_rejoin(reference, tmp_path):
     # then process 1's restart had connected again, so the members' abandoned liveness query
     # stayed open in the service; the restart's first query completed it alone and the
     # members' next one waited for it for ever (a deadlock). Now the neighbours' failed
-    # collective breaks the ring at once (jaxft.breaker) and an abandoned query is reused.
+    # collective breaks the ring at once (jaxft.worker.breaker) and an abandoned query is reused.
     events, why, out = killed_and_restarted(tmp_path, "kill:process=1:step=15:phase=in-step", n=4, step_sleep=0.05)
     failed = of(events, "step_failed", step=15)
     assert sorted(e["process"] for e in failed) == [0, 2, 3], why
@@ -179,10 +179,10 @@ import jax, numpy as np, optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxft
 from jaxft.bench.mlp import init_params, loss_fn, make_dataset
-from jaxft.data import shard_batch
-from jaxft import votes as votes_lib
-from jaxft.loop import _votes_array, _with_votes
-from jaxft.trainer import make_train_step
+from jaxft.worker.data import shard_batch
+from jaxft.core import votes as votes_lib
+from jaxft.worker.loop import _votes_array, _with_votes
+from jaxft.worker.trainer import make_train_step
 
 G = 96
 data = jaxft.GlobalBatches(make_dataset(1024), G, seed=0)
@@ -202,7 +202,7 @@ for reduction, chunks in (("allreduce", None), ("allreduce64", 8), ("exact", 8))
             return {"params": p, "opt_state": o}, {"loss": loss}, agreed
 
         fn = jax.jit(fn, out_shardings=rep)
-    else:  # the votes summed beside the step (jaxft.loop._with_votes)
+    else:  # the votes summed beside the step (jaxft.worker.loop._with_votes)
         inner = make_train_step(loss_fn, opt, G, mesh, reduction, chunks)
 
         def step(state, batch, mask):
@@ -232,14 +232,15 @@ def test_the_votes_ride_in_the_steps_own_all_reduce():
     assert rows["allreduce"] == ["all-reduce/1", "0,1,0,1"], rows
     assert rows["allreduce64"] == ["all-reduce/1", "0,1,0,1"], rows  # one float64 buffer
     # the exact reduction: one all-gather of every leaf flattened (trainer._rows), the votes beside it
-    assert sorted(rows["exact"][0].split(",")) == ["all-gather/1", "all-reduce/1"] and rows["exact"][1] == "0,1,0,1", rows
+    assert sorted(rows["exact"][0].split(",")) == ["all-gather/1", "all-reduce/1"], rows
+    assert rows["exact"][1] == "0,1,0,1", rows
 
 
 def test_a_joiner_that_dies_in_its_admission_step_does_not_hold_the_members_in_gloo(reference, tmp_path):
     # Process 2 dies at step 6; its restart dies again in its admission step, after the rebuild's
     # barriers, before its first collective there (phase admitted, at the step it holds: 0).
     # The members' gloo rendezvous over the new list ran right after the barrier
-    # (jaxft.rendezvous), so their next collective fails on the broken connection instead of
+    # (jaxft.worker.rendezvous), so their next collective fails on the broken connection instead of
     # waiting gloo's 30 s for a rendezvous key the dead process never wrote.
     out = tmp_path / "final"
     proc, events = train(tmp_path, MLP, "--steps", str(STEPS), "--admission", "ready", "--step_sleep", "0.1", *EXACT,
@@ -268,7 +269,7 @@ STALLED = r"""
 import json, threading, time
 import jax
 import jaxft
-from jaxft import admission, kv
+from jaxft.worker import admission, kv
 from jaxft.timeouts import Timeouts
 
 jax.distributed.initialize("127.0.0.1:%d" % int(__import__("sys").argv[1]), num_processes=1, process_id=0)
@@ -309,7 +310,7 @@ FINISHED_BEFORE_JOINING = r"""
 import sys
 import jax
 import jaxft
-from jaxft import runs
+from jaxft.worker import runs
 
 jax.distributed.initialize("127.0.0.1:%d" % int(sys.argv[1]), num_processes=1, process_id=0)
 group = jaxft.ElasticGroup()

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import JAXFT, MLP, PYTHON, REPO, by_event, clean_env, events, free_port, run_jaxft
 
 pytestmark = pytest.mark.smoke
@@ -54,7 +53,8 @@ def test_more_workers_than_gpus_is_an_error(tmp_path):
     r = run_jaxft("launch", "-n", "3", "--", PYTHON, "-c", "pass", env=env, timeout=30)
     assert r.returncode == 2, r.describe()
     assert "-n 3 workers but this node has 2 GPU(s) (0,1)" in r.stderr and "--gpus none" in r.stderr, r.describe()
-    r = run_jaxft("launch", "-n", "3", "--gpus", "none", "--console", "raw", "--", PYTHON, "-c", ENV_PRINTER, env=env, timeout=60)
+    r = run_jaxft("launch", "-n", "3", "--gpus", "none", "--console", "raw", "--", PYTHON, "-c", ENV_PRINTER, env=env,
+                  timeout=60)
     assert r.returncode == 0, r.describe()
     # CPU workers: on a GPU node jax would otherwise put each of them on the default GPU.
     assert [(e["JAXFT_LOCAL_DEVICE_IDS"], e["JAX_PLATFORMS"]) for e in _envs(r.stdout)] == [(None, "cpu")] * 3
@@ -72,7 +72,8 @@ def test_agent_numbers_its_workers_globally(tmp_path):
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as coord:
         try:
             r = run_jaxft("launch", "--nnodes", "3", "--node-rank", "2", "--coordinator", f"127.0.0.1:{port}",
-                          "--gloo-interface", "lo", "--console", "raw", "--", PYTHON, "-c", ENV_PRINTER, env=env, timeout=60)
+                          "--gloo-interface", "lo", "--console", "raw", "--", PYTHON, "-c", ENV_PRINTER, env=env,
+                          timeout=60)
         finally:
             coord.terminate()
             coord.wait(timeout=15)

@@ -4,7 +4,6 @@ in well under 10 s. Real processes."""
 import json
 
 import pytest
-
 from helpers import PYTHON, clean_env, run_jaxft, run_python
 
 pytestmark = pytest.mark.smoke
@@ -133,8 +132,8 @@ def test_an_unsupported_orbax_is_refused_before_any_save():
     import re
     from pathlib import Path
 
-    from jaxft.checkpoint import orbax
     from jaxft.errors import ConfigError, UnsupportedOrbax
+    from jaxft.worker.checkpoint import orbax
 
     assert issubclass(UnsupportedOrbax, ConfigError)  # a worker stops on it (exit 78), not restarted
     for found in ("0.12.4", "0.13.0", "0.11.9"):

@@ -1,11 +1,11 @@
-"""jaxft.breaker: which connections a failed collective shuts down, with real sockets."""
+"""jaxft.worker.breaker: which connections a failed collective shuts down, with real sockets."""
 
 import socket
 
 import pytest
-
 from helpers import PYTHON, REPO, by_event, events, launch
-from jaxft import breaker
+
+from jaxft.worker import breaker
 
 pytestmark = pytest.mark.smoke
 

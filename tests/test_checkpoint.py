@@ -21,19 +21,18 @@ from __future__ import annotations
 
 import collections
 import glob
+import hashlib
 import json
 import os
 from pathlib import Path
 
-import pytest
-
-import hashlib
-
+import helpers
 import numpy as np
+import pytest
+from helpers import MLP
 
-import helpers  # noqa: E402
-from jaxft import envvars  # noqa: E402
-from helpers import MLP  # noqa: E402
+from jaxft import protocol
+
 STEPS = 30
 EVERY = 5
 # The exact reduction makes every step's result independent of the width (a cold restart may
@@ -75,7 +74,7 @@ def _verify_dir(directory: str) -> dict:
     """Restore every finalized checkpoint of ``directory`` (full validation) in a fresh interpreter."""
     return _in_fresh_python(f"""
 import json, os
-from jaxft.checkpoint import CheckpointStore, CheckpointRejected
+from jaxft.worker.checkpoint import CheckpointStore, CheckpointRejected
 store = CheckpointStore({directory!r}, process_id=0)
 import hashlib
 import numpy as np
@@ -390,9 +389,9 @@ UNIT = r"""
 import collections, glob, json, os, sys
 import numpy as np
 import ml_dtypes
-from jaxft.checkpoint import CheckpointMismatch, CheckpointStore, state_checksum, flatten_state
+from jaxft.worker.checkpoint import CheckpointMismatch, CheckpointStore, state_checksum, flatten_state
 from jaxft.errors import CheckpointError
-from jaxft.checkpoint.orbax import PrimaryNumpyHandler, set_barrier_timeout
+from jaxft.worker.checkpoint.orbax import PrimaryNumpyHandler, set_barrier_timeout
 from jaxft.events import EventLog, read_events
 
 root = sys.argv[1]
@@ -498,7 +497,7 @@ def test_single_process_round_trip_of_many_dtypes(tmp_path):
 
 @pytest.mark.smoke
 def test_orbax_private_names_still_exist():
-    """jaxft.checkpoint.orbax uses a few Orbax internals (pinned 0.12.x, listed in its
+    """jaxft.worker.checkpoint.orbax uses a few Orbax internals (pinned 0.12.x, listed in its
     docstring); fail loudly if one moves or stops doing what the adapter relies on."""
     out = _in_fresh_python(r"""
 import json, inspect, os, re, tempfile
@@ -510,7 +509,7 @@ from orbax.checkpoint._src.checkpointers import async_checkpointer
 from orbax.checkpoint._src.futures import future, synchronization
 from jax._src.lib import _jax
 from orbax.checkpoint._src.path import atomicity
-from jaxft.checkpoint import orbax as adapter
+from jaxft.worker.checkpoint import orbax as adapter
 from jaxft.errors import SaveAbandoned
 from jaxft.timeouts import Timeouts
 import threading, types
@@ -625,7 +624,7 @@ def test_a_death_before_a_save_abandons_it_without_waiting_out_the_barrier(tmp_p
     # blocking barriers (Orbax's save_start), which waited for it until Timeouts.save_barrier
     # (60 s). With the launcher's death records the save is cancelled at once. Without them (a
     # worker on another node; here the workers do not see the records) the barrier knows
-    # process 2 from the commit's member map only: its life (jaxft.lives) names the heartbeat
+    # process 2 from the commit's member map only: its life (jaxft.worker.lives) names the heartbeat
     # to watch, which stops, and the save is abandoned after Timeouts.save_dead_after.
     # Either way training goes on and ends agreed.
     run_dir = tmp_path / "run"
@@ -637,7 +636,7 @@ def test_a_death_before_a_save_abandons_it_without_waiting_out_the_barrier(tmp_p
     if records:
         proc, ev = launch(run_dir, *train, n=3, faults=[kill])
     else:  # no restart: without the records a restart would not know the fault had fired
-        hide = ["env", "-u", envvars.FAULT_STATE_DIR]
+        hide = ["env", "-u", protocol.FAULT_STATE_DIR]
         proc = helpers.launch(3, [*hide, helpers.PYTHON, MLP, *train, *EXACT], "--restart", "never",
                               "--fault", kill, run_dir=run_dir, timeout=240)
         ev = helpers.events(run_dir)

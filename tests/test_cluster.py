@@ -4,10 +4,9 @@ errors for environments that half describe a job. Real processes, real coordinat
 import json
 import subprocess
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
-
 from helpers import PYTHON, REPO, clean_env, free_port, run_python
 
 pytestmark = pytest.mark.smoke  # jax's cluster detection is private API: check it on every jax

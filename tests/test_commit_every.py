@@ -9,9 +9,20 @@ import json
 import os
 
 import pytest
-
-from helpers import (MLP, PYTHON, by_event as of, check_agreed_run, commits_by_step, finals, one_process_shas,
-                     run_jaxft, run_python, stop_with_checkpoint, summary, train)
+from helpers import (
+    MLP,
+    PYTHON,
+    check_agreed_run,
+    commits_by_step,
+    finals,
+    one_process_shas,
+    run_jaxft,
+    run_python,
+    stop_with_checkpoint,
+    summary,
+    train,
+)
+from helpers import by_event as of
 
 STEPS = 30
 EXACT = ("--reduction", "exact", "--exact_chunks", "8")

@@ -2,7 +2,7 @@
 
 from helpers import MLP, PYTHON, launch
 
-from jaxft.console import RunTracker
+from jaxft.supervisor.console import RunTracker
 
 
 def _ev(t, event, **fields):
@@ -121,7 +121,7 @@ def test_a_relaunch_into_the_same_run_dir_tells_only_its_own_story(tmp_path):
 
 
 def test_summary_counts_a_joiners_start_up_restore_as_no_checkpoint_restore():
-    from jaxft.report import summarize
+    from jaxft.supervisor.report import summarize
 
     events = _healthy_start([0, 1], 2) + [
         # process 1's new life reads the checkpoint while it sets up, then takes process 0's state
@@ -135,7 +135,7 @@ def test_summary_counts_a_joiners_start_up_restore_as_no_checkpoint_restore():
 
 
 def test_summary_counts_the_steps_a_failure_undid_before_their_commit():
-    from jaxft.report import format_summary, summarize
+    from jaxft.supervisor.report import format_summary, summarize
 
     events = _healthy_start([0, 1], 2) + [
         # commit_every: steps 2 and 3 ran on both, step 4 failed, both undid 2 and 3

@@ -3,14 +3,13 @@ answers again at the same address, every worker is restarted and cold-restores t
 complete checkpoint; if none comes back within Timeouts.initialization, the agent says so
 and exits non-zero. Nothing hangs. Real processes, real SIGKILL."""
 
-import pytest
-
 import json
 import os
 import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from helpers import JAXFT, MLP, PYTHON, REPO, by_event, clean_env, events, finals, free_port, launch, wait_for
 
 FIGURES = Path(os.environ.get("JAXFT_TEST_FIGURES_COORD", "/tmp/jaxft-coordinator-loss-figures.json"))

@@ -1,13 +1,14 @@
-"""The launcher's crash-loop guard (``jaxft.crashloop``): a worker that crashes the same way
+"""The launcher's crash-loop guard (``jaxft.supervisor.crashloop``): a worker that crashes the same way
 before its first committed step, life after life, is not restarted on; a fault is never
 taken for such a crash. Real processes, real exits and signals."""
 
 import signal
 
 import pytest
-
 from helpers import PYTHON, by_event, events, launch, summary
-from jaxft import crashloop
+
+from jaxft import protocol
+from jaxft.supervisor import crashloop
 
 CRASH_SETUP = "import os, sys; print('life', os.environ['JAXFT_INCARNATION']); sys.exit({code})"
 
@@ -17,8 +18,7 @@ def py(code: str) -> list[str]:
 
 
 def test_exit_codes_that_count_as_set_up_crashes():
-    from jaxft.hang import EXIT_HUNG
-    from jaxft.membership import EXIT_BARRIER_TIMEOUT
+    from jaxft.protocol import EXIT_BARRIER_TIMEOUT, EXIT_HUNG
 
     assert crashloop._NOT_CRASHES == (EXIT_BARRIER_TIMEOUT, EXIT_HUNG)  # kept in step with their modules
     assert crashloop.is_crash(1) and crashloop.is_crash(3) and crashloop.is_crash(-signal.SIGSEGV)
@@ -34,8 +34,8 @@ def test_lives_in_a_row_with_one_exit_status(tmp_path):
     assert f.record(1, 3, -signal.SIGKILL) == 0  # a fault ends the run
     assert [f.record(1, i, 4) for i in (4, 5, 6)] == [1, 2, 3] and f.tripped(1)
     assert not f.tripped(0)
-    (tmp_path / crashloop.SUBDIR).mkdir()
-    (tmp_path / crashloop.SUBDIR / "0-7").touch()  # life 7 of process 0 committed a step
+    (tmp_path / protocol.COMMITTED).mkdir()
+    (tmp_path / protocol.COMMITTED / "0-7").touch()  # life 7 of process 0 committed a step
     assert f.record(0, 6, 3) == 1 and f.record(0, 7, 3) == 0 and not f.tripped(0)
     assert not crashloop.SetupFailures(str(tmp_path), limit=0).tripped(1)
 

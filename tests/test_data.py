@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxft.data import GlobalBatches, Layout
+from jaxft.worker.data import GlobalBatches, Layout
 
 
 def test_each_example_once_per_epoch_and_deterministic():
@@ -48,8 +48,8 @@ def test_grain_batches_same_examples_whatever_the_width():
     """Step k is the same global batch for any split; each process's share is its positions."""
     import jax
 
-    from jaxft.data import Layout
-    from jaxft.grain_source import GrainBatches
+    from jaxft.worker.data import Layout
+    from jaxft.worker.grain_source import GrainBatches
 
     source = [{"x": np.full(3, i, np.float32), "y": np.int32(i)} for i in range(50)]
     data = GrainBatches(source, global_batch=12, seed=5, num_threads=1, prefetch=1)

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from jaxft import deaths, dirwatch
+from jaxft import protocol
+from jaxft.worker import deaths, dirwatch
 
 
 @pytest.fixture(params=["inotify", "polling"])
@@ -21,7 +22,7 @@ def test_a_record_counts_only_against_a_life_seen_before_it(tmp_path):
     w = deaths.DeathWatch(str(tmp_path))
     assert w.dead([0, 1]) == set()
     w.saw({0: 11, 1: 21})
-    deaths.record(str(tmp_path), 1, 0)
+    protocol.record_death(str(tmp_path), 1, 0)
     assert w.dead([0, 1]) == {1}
     time.sleep(0.01)
     w.saw({1: 22})  # process 1's next life (a new service incarnation)
@@ -31,14 +32,14 @@ def test_a_record_counts_only_against_a_life_seen_before_it(tmp_path):
 
 
 def test_an_admitted_joiner_is_a_new_life(tmp_path):
-    deaths.record(str(tmp_path), 2, 0)
+    protocol.record_death(str(tmp_path), 2, 0)
     w = deaths.DeathWatch(str(tmp_path))
     w.assume_alive_since([0, 2], time.time())
     assert w.dead([0, 2]) == set()
     w.saw({0: 5, 2: 7})  # keeps the admission time, learns the incarnations
     assert w.dead([0, 2]) == set()
     time.sleep(0.01)
-    deaths.record(str(tmp_path), 2, 1)
+    protocol.record_death(str(tmp_path), 2, 1)
     assert w.dead([0, 2]) == {2}
 
 
@@ -53,7 +54,7 @@ def test_a_waiting_query_is_asked_again_without_the_dead(tmp_path):
             release.wait(10)  # like get_live_nodes waiting for a dead process
         return {p: 1 for p in pids if p != 2}
 
-    threading.Timer(0.1, deaths.record, (str(tmp_path), 2, 0)).start()
+    threading.Timer(0.1, protocol.record_death, (str(tmp_path), 2, 0)).start()
     assert w.live_nodes(query, [0, 1, 2]) == {0: 1, 1: 1}
     assert asked == [[0, 1, 2], [0, 1]]
     release.set()
@@ -120,7 +121,7 @@ def test_members_stay_in_step_when_one_re_asks_and_another_is_answered(tmp_path)
     t1 = threading.Thread(target=member, args=(1, w1))
     t1.start()
     time.sleep(0.1)  # member 1 waits in the query over {0, 1, 2}
-    deaths.record(str(tmp_path), 2, 0)
+    protocol.record_death(str(tmp_path), 2, 0)
     t0 = threading.Thread(target=member, args=(0, w0))
     t0.start()
     time.sleep(0.2)  # member 0 asked {0, 1, 2}, read the record, re-asked over {0, 1}
@@ -164,10 +165,10 @@ def test_a_tripwire_fires_once_per_arming_for_a_member_recorded_dead(tmp_path, w
     wire.arm([1, 2])
     time.sleep(0.05)
     assert fired == []  # nobody died: the step's body runs undisturbed
-    deaths.record(str(tmp_path), 0, 0)  # not one of the armed members
+    protocol.record_death(str(tmp_path), 0, 0)  # not one of the armed members
     time.sleep(0.05)
     assert fired == []
-    deaths.record(str(tmp_path), 2, 0)
+    protocol.record_death(str(tmp_path), 2, 0)
     assert hit.wait(2)
     time.sleep(0.05)
     assert fired == [{2}]  # once, although the record stays
@@ -185,7 +186,7 @@ def test_a_disarmed_tripwire_never_fires(tmp_path, wakeups):
     wire = deaths.Tripwire(w, fired.append, poll_s=0.005)
     wire.arm([1])
     wire.disarm()  # the step's body ended
-    deaths.record(str(tmp_path), 1, 0)
+    protocol.record_death(str(tmp_path), 1, 0)
     time.sleep(0.1)
     assert fired == []
 
@@ -201,7 +202,7 @@ def test_a_record_that_lands_between_steps_fires_at_the_next_arming(tmp_path, wa
         wire.arm([1, 2])
         time.sleep(0.02)
         wire.disarm()
-    deaths.record(str(tmp_path), 2, 0)  # between two steps
+    protocol.record_death(str(tmp_path), 2, 0)  # between two steps
     time.sleep(0.05)
     assert fired == []
     wire.arm([1, 2])  # the same members as the last check: the record must still be seen
@@ -240,7 +241,7 @@ def test_on_inotify_an_armed_tripwire_reads_nothing_until_a_record_lands(tmp_pat
     wire.arm([1, 2])
     time.sleep(0.05)
     assert len(reads) == first, reads  # none of them looked (the polling loop read every 10 ms)
-    deaths.record(str(tmp_path), 1, 0)
+    protocol.record_death(str(tmp_path), 1, 0)
     assert hit.wait(10), "the record did not wake the tripwire"  # (SAFETY_S is a minute here)
     wire.disarm()
 
@@ -254,7 +255,7 @@ def test_a_dir_watch_wakes_on_a_replaced_entry_on_wake_and_on_its_timeout(tmp_pa
     assert d.wait(30) is False and time.monotonic() - t0 < 10
     if not d.native:
         pytest.skip("no inotify here: only wake() and the timeout end a wait")
-    deaths.record(str(tmp_path), 3, 0)  # written aside, then os.replace'd in
+    protocol.record_death(str(tmp_path), 3, 0)  # written aside, then os.replace'd in
     t0 = time.monotonic()
     assert d.wait(30) is True and time.monotonic() - t0 < 10
     assert d.wait(0.01) is False  # drained: one landing, one wake-up
@@ -263,7 +264,7 @@ def test_a_dir_watch_wakes_on_a_replaced_entry_on_wake_and_on_its_timeout(tmp_pa
 def test_a_canceller_sets_the_wait_s_event_and_names_the_dead(tmp_path, wakeups):
     w = deaths.DeathWatch(str(tmp_path))
     w.saw({1: 1, 2: 1})
-    deaths.record(str(tmp_path), 2, 0)  # dead before the wait begins: the event is set at its start
+    protocol.record_death(str(tmp_path), 2, 0)  # dead before the wait begins: the event is set at its start
     c = deaths.Canceller(w)
     event = threading.Event()
     with c.during(event, [1, 2]):
@@ -280,7 +281,7 @@ def test_records_written_in_a_burst_are_all_seen(tmp_path):
     w.saw({p: 1 for p in range(4)})
     assert w.dead(range(4)) == set()
     for p in range(4):  # the reader caches by the directory's stamp: each record must show
-        deaths.record(str(tmp_path), p, 0)
+        protocol.record_death(str(tmp_path), p, 0)
         assert w.dead(range(4)) == set(range(p + 1))
 
 

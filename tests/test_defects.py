@@ -7,14 +7,12 @@ import json
 
 import numpy as np
 import pytest
-
 from helpers import MLP, PYTHON, by_event, events, launch, run_python, summary
-
 
 ALL_REJECTED = r"""
 import glob, json, os, sys
 import numpy as np
-from jaxft.checkpoint import CheckpointStore
+from jaxft.worker.checkpoint import CheckpointStore
 from jaxft.errors import CheckpointError
 root = sys.argv[1]
 store = CheckpointStore(os.path.join(root, "ck"), keep=3, process_id=0)
@@ -78,7 +76,7 @@ def test_a_loss_of_the_wrong_shape_is_refused(tmp_path):
 
 def test_consistency_tie_blames_the_same_process_everywhere():
     """Before, a 1-1 tie was broken by set order, so members could blame different processes."""
-    from jaxft.transfer import disagreeing
+    from jaxft.worker.transfer import disagreeing
 
     assert disagreeing([0, 1], [b"a", b"b"]) == [1]
     assert disagreeing([0, 1], [b"b", b"a"]) == [1]  # whatever the keys' order: the lowest id's key wins a tie

@@ -3,11 +3,10 @@
 Real processes, a real coordination service, real SIGKILL at named phases.
 """
 
-import pytest
-
 import numpy as np
-
-from helpers import MLP, by_event as of, commits_by_step, finals, train
+import pytest
+from helpers import MLP, commits_by_step, finals, train
+from helpers import by_event as of
 
 STEPS = 30
 # The exact reduction makes a step's result independent of how many devices ran it, so a

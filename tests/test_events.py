@@ -6,8 +6,8 @@ import time
 
 import numpy as np
 import pytest
-
 from helpers import PYTHON, clean_env
+
 from jaxft.events import EVENTS_FILE, EventLog, read_events
 
 REQUIRED = ("time", "event", "process", "incarnation")

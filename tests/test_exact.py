@@ -7,7 +7,6 @@ devices, with chunk counts that give 1, 2 and more chunks per device and padding
 """
 
 import pytest
-
 from helpers import PYTHON, clean_env, run
 
 CHECK = r'''
@@ -16,8 +15,8 @@ import jax, numpy as np, optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxft
 from jaxft.bench.mlp import init_params, loss_fn, make_dataset
-from jaxft.data import shard_batch
-from jaxft.trainer import make_train_step
+from jaxft.worker.data import shard_batch
+from jaxft.worker.trainer import make_train_step
 
 G, STEPS = 96, 2
 data = jaxft.GlobalBatches(make_dataset(1024), G, seed=0)
@@ -83,7 +82,7 @@ def test_exact_reduction_arguments_are_checked():
 
 
 def test_chunked_layout_keeps_the_chunk_size_whatever_the_width():
-    from jaxft.data import Layout
+    from jaxft.worker.data import Layout
 
     for width in range(1, 11):
         lay = Layout.chunked(96, width, 12)  # 8 chunks of 12
@@ -122,7 +121,8 @@ def test_kill_and_narrower_run_end_bitwise_equal(tmp_path):
 
 def test_the_bench_cli_lists_the_trainer_reductions():
     # jaxft.bench names them without importing jax; a new reduction must reach its --reduction
-    from jaxft import bench, trainer
+    from jaxft import bench
+    from jaxft.worker import trainer
 
     assert bench.REDUCTIONS == trainer.REDUCTIONS
 

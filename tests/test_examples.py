@@ -4,7 +4,6 @@ import json
 
 import numpy as np
 import pytest
-
 from helpers import PYTHON, REPO, by_event, finals, run, run_jaxft, train
 
 EXAMPLES = REPO / "examples"

@@ -1,4 +1,4 @@
-"""jaxft.executables: a step program outlives a backend rebuild (no tracing, no compile after
+"""jaxft.worker.executables: a step program outlives a backend rebuild (no tracing, no compile after
 it, same bits), a run's processes share the programs they compile only with a process of
 the same code, and a waiter's bounds. Real processes; one process with 4 CPU devices stands
 for the members (the rebuild is jax's own clear_backends)."""
@@ -9,9 +9,9 @@ import threading
 import time
 
 import pytest
-
 from helpers import PYTHON, clean_env, run
-from jaxft import executables
+
+from jaxft.worker import executables
 
 # argv: shared directory, "first" mesh width, "then" mesh width, loss variant[, "ref": name the
 # shared programs by the loop's reference program, as ElasticLoop does].
@@ -22,10 +22,10 @@ import jax, numpy as np, optax
 import jax.extend.backend as jax_backend
 from jax.sharding import Mesh
 import jaxft
-from jaxft import executables
+from jaxft.worker import executables
 from jaxft.bench import mlp
-from jaxft import votes as votes_lib
-from jaxft.loop import _votes_array
+from jaxft.core import votes as votes_lib
+from jaxft.worker.loop import _votes_array
 
 directory, first, then, variant = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 logs = []
@@ -160,10 +160,10 @@ import hashlib, threading, time, types
 import jax, numpy as np, optax
 from jax.sharding import Mesh
 import jaxft
-from jaxft import executables
+from jaxft.worker import executables
 from jaxft.bench import mlp
-from jaxft import votes as votes_lib
-from jaxft.loop import _votes_array
+from jaxft.core import votes as votes_lib
+from jaxft.worker.loop import _votes_array
 
 PRINT = threading.Lock()  # two threads print: one line each, never interleaved
 data = jaxft.GlobalBatches(mlp.make_dataset(512), 96, seed=0)

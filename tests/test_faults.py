@@ -6,11 +6,10 @@ import subprocess
 import time
 
 import pytest
-
 from helpers import PYTHON, clean_env, is_stopped, run_python, started, wait_for
-from jaxft import envvars
-from jaxft.faults import (DEFAULT_PHASE, PHASES, FaultInjector, FaultRule, FaultSpecError, claim,
-                          parse_rule, parse_rules)
+
+from jaxft import protocol
+from jaxft.faults import DEFAULT_PHASE, PHASES, FaultInjector, FaultRule, FaultSpecError, claim, parse_rule, parse_rules
 
 # -- parsing -------------------------------------------------------------------------------
 
@@ -146,8 +145,8 @@ def test_injector_keeps_only_this_process_step_rules():
 
 
 def test_injector_from_env(tmp_path):
-    environ = {envvars.FAULTS: "kill:process=0:step=1;stop:process=1:step=9;kill:process=1:after=2s",
-               envvars.FAULT_STATE_DIR: str(tmp_path)}
+    environ = {protocol.FAULTS: "kill:process=0:step=1;stop:process=1:step=9;kill:process=1:after=2s",
+               protocol.FAULT_STATE_DIR: str(tmp_path)}
     inj = FaultInjector.from_env(1, environ=environ)
     assert [r.spec for r in inj.rules] == ["stop:process=1:step=9:phase=after-grad"]
     assert inj.state_dir == str(tmp_path)
@@ -316,7 +315,8 @@ def test_hang_and_new_phases_parse():
     from jaxft.faults import parse_rule
 
     r = parse_rule("hang:process=2:step=7:for=30s")
-    assert (r.action, r.process, r.step, r.duration, r.spec) == ("hang", 2, 7, 30.0, "hang:process=2:step=7:phase=after-grad:for=30s")
+    assert (r.action, r.process, r.step, r.duration) == ("hang", 2, 7, 30.0)
+    assert r.spec == "hang:process=2:step=7:phase=after-grad:for=30s"
     assert parse_rule("kill:process=1:step=3:phase=during-rehydrate").phase == "during-rehydrate"
     assert parse_rule("kill:process=1:step=10:phase=during-restore").phase == "during-restore"
     for bad, needle in [("hang:process=1:after=3s", "hang is step-triggered only"),

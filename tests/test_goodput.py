@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxft.goodput import BUCKETS, goodput
+from jaxft.supervisor.goodput import BUCKETS, goodput
 
 
 def _ev(t, event, **fields):

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import MLP, PYTHON, by_event, check_agreed_run, events, launch
 
 FIGURES = Path(os.environ.get("JAXFT_TEST_FIGURES_HANG", "/tmp/jaxft-hang-figures.json"))
@@ -46,7 +45,7 @@ def test_a_member_still_in_a_step_whose_member_died_leaves_its_program(tmp_path)
     # 5 s collective timeout): the launcher records 1's death, 2's tripwire marks the step
     # doomed, and once 0 and 3 wait for it at the step's exit, 2 leaves the program running in
     # its step thread (Timeouts.stuck) and retries with them, instead of holding them until it
-    # wakes, or exiting and rejoining as before jaxft.runner. While the program it left runs,
+    # wakes, or exiting and rejoining as before jaxft.worker.runner. While the program it left runs,
     # 2 holds the admission of 1's restart back (an admission's rebuild would wait for that
     # program with every member: 3.2 s in a chaos run); the others train on meanwhile.
     r = launch(4, [PYTHON, MLP, "--steps", "90", "--step_sleep", "0.25", "--hidden", "16", "--admission", "ready"],
@@ -113,8 +112,8 @@ def test_a_doomed_step_is_left_from_its_program_also_when_it_is_long(long):
     # The monitor's rules in one process (its peers' waiting is the only thing stood in for):
     # a doomed step's program is left once others wait; a long step (an admission, a compile)
     # too, but when its main thread is not waiting for a program, that is no hang.
-    from jaxft.hang import HangMonitor
     from jaxft.timeouts import Timeouts
+    from jaxft.worker.hang import HangMonitor
 
     monitor = HangMonitor(0, Timeouts(), poll_s=0.05)
     monitor._others_waiting = lambda: ["process 1 (leaving a step)"]

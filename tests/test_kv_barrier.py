@@ -1,4 +1,4 @@
-"""jaxft.kv.KVBarrier: one outcome per barrier instance, with real processes and a real
+"""jaxft.worker.kv.KVBarrier: one outcome per barrier instance, with real processes and a real
 coordination service (``jaxft launch``)."""
 
 from helpers import PYTHON, REPO, by_event, events, launch

@@ -9,9 +9,23 @@ import time
 from pathlib import Path
 
 import pytest
-
-from helpers import (JAXFT, PYTHON, busy_port, by_event, clean_env, events, free_port, launch, processes_with,
-                     read_line, run, run_jaxft, started, summary, wait_for)
+from helpers import (
+    JAXFT,
+    PYTHON,
+    busy_port,
+    by_event,
+    clean_env,
+    events,
+    free_port,
+    launch,
+    processes_with,
+    read_line,
+    run,
+    run_jaxft,
+    started,
+    summary,
+    wait_for,
+)
 
 FAST = 10  # seconds: every refusal of bad input must come back at least this fast
 
@@ -324,8 +338,8 @@ def _workers_of(marker: str, launcher_pid: int) -> list[tuple[int, str]]:
 def _start_sleepers(tmp_path, marker, grace: float, stubborn: str = "1"):
     ready = tmp_path / "ready"
     ready.mkdir()
-    args = [*JAXFT, "launch", "-n", "3", "--console", "raw", "--grace", str(grace), "--run-dir", str(tmp_path / "run"), "--",
-            *py(SLEEPER, str(ready), marker, stubborn)]
+    args = [*JAXFT, "launch", "-n", "3", "--console", "raw", "--grace", str(grace), "--run-dir", str(tmp_path / "run"),
+            "--", *py(SLEEPER, str(ready), marker, stubborn)]
     return ready, args
 
 

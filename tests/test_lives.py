@@ -1,4 +1,4 @@
-"""A barrier over a member map gives up on a member whose life in the map is over (jaxft.lives).
+"""A barrier over a member map gives up on a member whose life in the map is over (jaxft.worker.lives).
 
 Real processes under ``jaxft launch``, a real coordination service, a real SIGKILL: the member
 dies after the map was agreed and before it reaches the barrier, so no arrival key ever names
@@ -7,8 +7,7 @@ data-plane rebuild in `test_rejoin.py::test_two_join_at_once_and_one_dies_as_the
 """
 
 import pytest
-
-from helpers import REPO, PYTHON, by_event, events, launch
+from helpers import PYTHON, REPO, by_event, events, launch
 
 WORKER = str(REPO / "tests" / "workers" / "lives.py")
 

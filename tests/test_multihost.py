@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from helpers import REPO, clean_env, events as read_events, free_port, wait_for
+from helpers import REPO, clean_env, free_port, wait_for
+from helpers import events as read_events
 from netns import Hosts, hosts
 
 HEARTBEAT = 3
@@ -55,7 +55,7 @@ class Job:
         self.logs: list = []
 
     def _popen(self, args, env, name: str) -> subprocess.Popen:
-        log = open(self.run_dir / f"{name}.log", "ab")
+        log = open(self.run_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the cluster
         self.logs.append(log)
         return subprocess.Popen(args, env=env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT)
@@ -100,14 +100,13 @@ class Job:
                 if p.poll() is None:
                     p.kill()
                 p.wait()
-        if self.coordinator is not None:
-            if self.coordinator.poll() is None:
-                self.coordinator.terminate()
-                try:
-                    self.coordinator.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    self.coordinator.kill()
-                    self.coordinator.wait()
+        if self.coordinator is not None and self.coordinator.poll() is None:
+            self.coordinator.terminate()
+            try:
+                self.coordinator.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.coordinator.kill()
+                self.coordinator.wait()
         for log in self.logs:
             log.close()
 

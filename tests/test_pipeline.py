@@ -7,9 +7,19 @@ end with the one-process sequential run's ``params_sha256``."""
 import json
 
 import pytest
-
-from helpers import (MLP, PYTHON, by_event as of, check_agreed_run, commits_by_step, finals, one_process_shas,
-                     run_jaxft, stop_with_checkpoint, too_late_to_rejoin, train)
+from helpers import (
+    MLP,
+    PYTHON,
+    check_agreed_run,
+    commits_by_step,
+    finals,
+    one_process_shas,
+    run_jaxft,
+    stop_with_checkpoint,
+    too_late_to_rejoin,
+    train,
+)
+from helpers import by_event as of
 
 STEPS = 30
 EXACT = ("--reduction", "exact", "--exact_chunks", "8")

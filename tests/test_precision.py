@@ -34,10 +34,11 @@ def test_bf16_gradients_of_many_micro_batches_are_summed_in_float32(reduction, c
     # result depended on how many micro-batches a device ran. Now: float32 sums, one rounding.
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    from jaxft.data import shard_batch
-    from jaxft.trainer import make_train_step
+    from jaxft.worker.data import shard_batch
+    from jaxft.worker.trainer import make_train_step
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     x = np.asarray(jnp.asarray(np.random.default_rng(0).uniform(0.5, 1.0, (G, N)), jnp.bfloat16))
@@ -60,10 +61,11 @@ def test_bf16_params_and_their_optimizer_state_keep_their_dtype():
     import jax
     import jax.numpy as jnp
     import optax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    from jaxft.data import shard_batch
-    from jaxft.trainer import make_train_step
+    from jaxft.worker.data import shard_batch
+    from jaxft.worker.trainer import make_train_step
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     x = np.random.default_rng(0).uniform(0.5, 1.0, (32, N)).astype(np.float32)
@@ -83,10 +85,11 @@ def test_float64_params_with_micro_batches_sum_their_losses_in_float64():
     import jax
     import jax.numpy as jnp
     import optax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    from jaxft.data import shard_batch
-    from jaxft.trainer import make_train_step
+    from jaxft.worker.data import shard_batch
+    from jaxft.worker.trainer import make_train_step
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     x = np.random.default_rng(0).uniform(0.5, 1.0, (32, N))

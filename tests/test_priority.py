@@ -4,8 +4,8 @@ priority back as it joins (real processes and threads, no jax)."""
 import os
 
 import pytest
-
 from helpers import run_python
+
 from jaxft import priority
 
 CHILD = r'''

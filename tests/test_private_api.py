@@ -13,7 +13,6 @@ import sys
 
 import jax
 import pytest
-
 from helpers import REPO, by_event, clean_env, events, free_port, launch, run_python
 
 pytestmark = pytest.mark.smoke
@@ -203,7 +202,8 @@ service.shutdown()
 
 RETIRE = """
 import json, socket, sys, threading
-from jaxft import _compat, retire
+from jaxft import _compat
+from jaxft.supervisor import retire
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -386,7 +386,7 @@ print("same", np.array_equal(np.asarray(loaded(x, y)), before))
 
 
 def test_a_serialized_executable_loads_into_a_rebuilt_backend():
-    # jaxft.executables keeps step programs as bytes across the CPU backend rebuild of a rejoin
+    # jaxft.worker.executables keeps step programs as bytes across the CPU backend rebuild of a rejoin
     _get("jax.experimental.serialize_executable:serialize")
     _get("jax.experimental.serialize_executable:deserialize_and_load")
     r = run_python(SERIALIZED, timeout=120)
@@ -422,7 +422,7 @@ print("same", np.asarray(out).tobytes() == direct.tobytes())
 
 
 def test_a_serialized_executable_loads_for_other_devices():
-    # jaxft.executables compiles one program per mesh width and signature: a program for
+    # jaxft.worker.executables compiles one program per mesh width and signature: a program for
     # devices (1, 2, 3) runs on (0, 2, 3) with its device assignment replaced
     _get("jax.experimental.serialize_executable:_JaxPjrtUnpickler")
     _get("jax._src.compiler:get_compile_options")
@@ -443,7 +443,7 @@ print("fresh", fresh)
 
 
 def test_a_persistent_cache_hit_is_seen(tmp_path):
-    # jaxft.executables keeps only freshly compiled programs (a cache-loaded CPU program
+    # jaxft.worker.executables keeps only freshly compiled programs (a cache-loaded CPU program
     # serialized again loses its kernels); the hit is seen through jax's monitoring event
     got = []
     for _ in range(2):

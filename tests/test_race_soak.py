@@ -21,7 +21,6 @@ import os
 import random
 
 import pytest
-
 from helpers import MLP, REPO, by_event, commits_by_step, finals, train
 
 pytestmark = pytest.mark.soak
@@ -32,11 +31,13 @@ WORKER_RUNS = str(REPO / "tests" / "workers" / "mlp_runs.py")
 
 
 def worker(race: str) -> list[str]:
-    """The worker of a race (the same for its fault-free reference)."""
+    """The worker of a race (the same for its fault-free reference). ``alone`` and ``rebuild``
+    run long enough for a restart to be admitted (its admission rebuilds the data plane)."""
     if race in ("data", "alone"):
         return [WORKER_RUNS, "--runs", str(STEPS if race == "data" else 4 * STEPS), "--reduction", "exact",
                 "--step_sleep", "0.03", *(["--checkpoint_every", "5"] if race == "alone" else [])]
-    return [MLP, "--steps", str(STEPS), "--reduction", "exact", "--step_sleep", "0.05", "--check_every", "0"]
+    steps = 4 * STEPS if race == "rebuild" else STEPS
+    return [MLP, "--steps", str(steps), "--reduction", "exact", "--step_sleep", "0.04", "--check_every", "0"]
 
 
 def trigger(race: str, i: int) -> tuple[list[str], list[str]]:
@@ -61,7 +62,7 @@ def trigger(race: str, i: int) -> tuple[list[str], list[str]]:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     shas = {}
-    for race in ("late", "alone", "data"):
+    for race in ("late", "alone", "data", "rebuild"):
         key = tuple(worker(race))
         if key in shas:
             continue
@@ -86,5 +87,7 @@ def test_race(race, i, references, tmp_path):
         assert len(lives) == len(commits), (step, commits)
         if race != "alone":
             assert len({tuple(c["members"]) for c in commits}) == 1, (step, commits)
+    fired = {e["spec"] for e in by_event(evts, "fault")}
+    assert len(fired) == len(faults), (faults, sorted(fired))  # every trigger fired
     print(f"race {race} run {i}: faults {faults} {extra}: {len(finals(evts))} finals, "
           f"{len(by_event(evts, 'desync'))} desync, {len(by_event(evts, 'step_failed'))} failed attempts")

@@ -1,8 +1,8 @@
 """Rejoin: restarted processes are rehydrated from a live peer; training returns to full width."""
 
 import pytest
-
-from helpers import MLP, by_event as of, commits_by_step, finals, train
+from helpers import MLP, commits_by_step, finals, train
+from helpers import by_event as of
 
 STEPS = 40
 EXACT = ("--reduction", "exact", "--exact_chunks", "8")  # results independent of the width, to the bit
@@ -57,7 +57,7 @@ def test_two_join_at_once_and_one_dies_as_they_join(reference, tmp_path):
     read the aborted all-reduce's leftover bytes ("EnforceNotMet ... Received data size
     doesn't match expected size", SIGABRT, 2 of 7 runs). ElasticGroup now rebuilds the CPU
     data plane after every failed step, and a member whose collective fails breaks the
-    others' out of it at once (jaxft.breaker). This test, 20 runs in a loop (connect
+    others' out of it at once (jaxft.worker.breaker). This test, 20 runs in a loop (connect
     admission, exact reduction): 20 passed, 26-37 s each, no abort."""
     faults = ["kill:process=1:step=5", "kill:process=2:step=5",  # two joiners at once
               "kill:process=3:step=6:phase=before-step",  # dies in the step right after they join

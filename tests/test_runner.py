@@ -1,11 +1,11 @@
-"""jaxft.runner: a step program called in a worker thread that the main thread can leave."""
+"""jaxft.worker.runner: a step program called in a worker thread that the main thread can leave."""
 
 import threading
 import time
 
 import pytest
 
-from jaxft.runner import Abandoned, StepRunner
+from jaxft.worker.runner import Abandoned, StepRunner
 
 
 def test_results_and_errors_come_back_from_the_worker_thread():

@@ -4,10 +4,15 @@ import json
 import signal
 
 import pytest
-
 from helpers import clean_env, free_port, run_python
-from jaxft.runtime import (CPU_COLLECTIVE_TIMEOUT_FLAG, GPU_ENV, GPU_XLA_FLAGS, configure_environment,
-                           merge_xla_flags)
+
+from jaxft.worker.runtime import (
+    CPU_COLLECTIVE_TIMEOUT_FLAG,
+    GPU_ENV,
+    GPU_XLA_FLAGS,
+    configure_environment,
+    merge_xla_flags,
+)
 
 # -- XLA flags -----------------------------------------------------------------------------
 

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import MLP, PYTHON, by_event, events, launch, too_late_to_rejoin
 
 pytestmark = pytest.mark.soak
@@ -107,9 +106,10 @@ def test_soak(seed, reference, tmp_path, marker):
         top, generation = max(top, e["step"]), max(generation, e["generation"])
         members[(epoch, e["step"])].add(tuple(e["members"]))
     assert sorted({s for _, s in members}) == list(range(STEPS)), f"seed {seed}"
-    assert all(len(m) == 1 for m in members.values()), f"seed {seed}: {[(k, m) for k, m in members.items() if len(m) > 1]}"
+    assert all(len(m) == 1 for m in members.values()), \
+        f"seed {seed}: {[(k, m) for k, m in members.items() if len(m) > 1]}"
     worst = 0.0
-    for p, leaves in _params(tmp_path, sorted(finals)).items():
+    for _, leaves in _params(tmp_path, sorted(finals)).items():
         for name, value in leaves.items():
             ref = reference[name]
             worst = max(worst, float(np.max(np.abs(value.astype(np.float64) - ref)) / max(np.max(np.abs(ref)), 1e-30)))

@@ -10,8 +10,8 @@ all-reduce, for the rest of the run.
 Two guards, tested here: the launcher gives a process it saw die a new incarnation in the
 service before it records the death (``jaxft._compat.retire_life``), and a member confirms
 any answer in which a member's life changed with one more query over the survivors, which
-meets the query of those that left (``jaxft.deaths.DeathWatch``); and every step's own
-all-reduce carries each member's step number (``jaxft.votes``), so members at different steps
+meets the query of those that left (``jaxft.worker.deaths.DeathWatch``); and every step's own
+all-reduce carries each member's step number (``jaxft.core.votes``), so members at different steps
 fail that step everywhere and the next one brings those behind to the latest step.
 """
 
@@ -21,12 +21,12 @@ import threading
 
 import numpy as np
 import pytest
-
 from helpers import MLP, PYTHON, by_event, clean_env, commits_by_step, events, finals, run_jaxft, train, wait_for
 from service_model import ServiceModel
 
-from jaxft import deaths, votes
-
+from jaxft import protocol
+from jaxft.core import votes
+from jaxft.worker import deaths
 
 # -- the model: the service's matching rule, the members' real DeathWatch -----------------------
 
@@ -72,7 +72,7 @@ def _late_member_while_another_dies(tmp_path, *, retire: bool, confirm: bool) ->
     # process 2 dies here; its launcher sees the exit
     if retire:
         svc.new_life(2)
-    deaths.record(str(tmp_path), 2, 0)
+    protocol.record_death(str(tmp_path), 2, 0)
     wait_for(lambda: svc.waiting(0, [0, 1]), timeout=5, what="member 0 asking again without 2")
     late = threading.Thread(target=member, args=(1,), daemon=True)
     late.start()
@@ -113,7 +113,9 @@ def test_a_late_member_fails_the_step_with_the_others_and_stays_in_step(tmp_path
 # -- the step votes --------------------------------------------------------------------------
 
 def _total(*rows: np.ndarray) -> np.ndarray:
-    return np.asarray(votes.admission_part(np.sum(np.stack(rows).astype(np.float32), axis=0)))
+    from jaxft.worker.loop import agreed_votes
+
+    return np.asarray(agreed_votes(np.sum(np.stack(rows).astype(np.float32), axis=0)))
 
 
 def test_the_step_votes_tell_members_at_different_steps_apart():
@@ -138,7 +140,7 @@ def test_the_votes_carry_fail_commit_and_admission():
 
 STEPS = 40
 # process 1 is 0.4 s late: past the kill (0.1 s into process 2's query) and the launcher's record
-# of it, within the 0.5 s a member may stay in a step whose member died (jaxft.hang)
+# of it, within the 0.5 s a member may stay in a step whose member died (jaxft.worker.hang)
 LATE_AND_DEAD = ["kill:process=2:step=10:phase=in-commit", "hang:process=1:step=10:phase=after-grad:for=0.4s"]
 
 

@@ -13,9 +13,21 @@ import tempfile
 import time
 
 import pytest
-
-from helpers import (ALLREDUCE_WORKER, JAXFT, MLP, PYTHON, by_event, events, launch, processes_with, run_jaxft,
-                     started, stop_with_checkpoint, summary, wait_for)
+from helpers import (
+    ALLREDUCE_WORKER,
+    JAXFT,
+    MLP,
+    PYTHON,
+    by_event,
+    events,
+    launch,
+    processes_with,
+    run_jaxft,
+    started,
+    stop_with_checkpoint,
+    summary,
+    wait_for,
+)
 
 
 def test_sigterm_ends_workers_before_the_service(tmp_path, marker):

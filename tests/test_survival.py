@@ -1,7 +1,6 @@
 """The acceptance runs: real jax workers all-reducing while one of them is SIGKILLed."""
 
 import pytest
-
 from helpers import ALLREDUCE_WORKER, PYTHON, by_event, events, launch, summary
 
 WORKER = [PYTHON, str(ALLREDUCE_WORKER), "--seconds", "12"]  # the issue's acceptance run

@@ -3,10 +3,10 @@
 import json
 
 import pytest
+from helpers import PYTHON, by_event, clean_env, events, launch, run_jaxft, run_python
 
 import jaxft
-from helpers import PYTHON, clean_env, launch, run_jaxft, run_python, by_event, events
-from jaxft.rejoin import donor, is_new
+from jaxft.core.rejoin import donor, is_new
 
 pytestmark = pytest.mark.smoke
 

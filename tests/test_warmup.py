@@ -1,11 +1,12 @@
-"""jaxft.warmup: the step compiled ahead for a member set one failure away is the program
+"""jaxft.worker.warmup: the step compiled ahead for a member set one failure away is the program
 the retry runs (no compile left for it), and the background worker's rules."""
 
 import threading
 import time
 
 from helpers import PYTHON, clean_env, run
-from jaxft import warmup
+
+from jaxft.worker import warmup
 
 # One process with 4 CPU devices: ahead-of-time compile the step for 3 of them the way the
 # loop's warm-up does, then build the arguments as try_step does and count jax's compile log
@@ -16,8 +17,8 @@ import jax, numpy as np, optax
 from jax.sharding import Mesh
 import jaxft
 from jaxft.bench.mlp import init_params, loss_fn, make_dataset
-from jaxft import votes as votes_lib
-from jaxft.loop import _votes_array
+from jaxft.core import votes as votes_lib
+from jaxft.worker.loop import _votes_array
 
 compiles = []
 class Count(logging.Handler):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 
-REDUCTIONS = ("allreduce", "allreduce64", "exact")  # jaxft.trainer.REDUCTIONS, named without importing jax
+REDUCTIONS = ("allreduce", "allreduce64", "exact")  # jaxft.worker.trainer.REDUCTIONS, named without importing jax
 
 
 def add_parser(sub) -> None:
@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
                    help="how the jaxft run admits restarted processes")
     c.add_argument("--precompile", type=int, default=8,
                    help="the jaxft runs' --precompile (process 0 compiles the member sets one failure "
-                   "away in the background, jaxft.warmup); 0: off")
+                   "away in the background, jaxft.worker.warmup); 0: off")
     c.add_argument("--reduction", choices=REDUCTIONS, default="allreduce",
                    help="the three runs' gradient reduction (jaxft.ElasticTrainer; the chunked ones in 8 "
                    "chunks): allreduce64 makes the jaxft run's params bitwise equal to the fault-free run's")

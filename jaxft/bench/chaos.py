@@ -16,7 +16,8 @@ import numpy as np
 from jaxft.bench.overhead import CHUNKS, bench_overhead
 from jaxft.errors import ConfigError
 from jaxft.events import read_events
-from jaxft.report import first_commits, recovery_times
+from jaxft.protocol import Event
+from jaxft.supervisor.report import first_commits, recovery_times
 
 
 def reduction_flags(reduction: str) -> list[str]:
@@ -43,7 +44,7 @@ def run_figures(events: list[dict], steps: int) -> dict:
     first = first_commits(events)
     counts: dict[tuple[int, int], int] = {}
     for e in events:
-        if e["event"] == "commit":
+        if e["event"] == Event.COMMIT:
             counts[(e["process"], e["step"])] = counts.get((e["process"], e["step"]), 0) + 1
     if sorted(first) != list(range(steps)):
         raise SystemExit(f"run did not commit steps 0..{steps - 1}")
@@ -53,8 +54,8 @@ def run_figures(events: list[dict], steps: int) -> dict:
     _, recoveries = recovery_times(events)
     train_s = first[steps - 1] - first[0]
     times = [first[s] for s in range(steps)]
-    widths = [len(e["members"]) for e in events if e["event"] == "commit"]
-    finals = {e["params_sha256"] for e in events if e["event"] == "final"}
+    widths = [len(e["members"]) for e in events if e["event"] == Event.COMMIT]
+    finals = {e["params_sha256"] for e in events if e["event"] == Event.FINAL}
     return {"train_s": round(train_s, 3), "steps_per_s": round((steps - 1) / train_s, 3),
             "steps_lost": max(per_process.values(), default=0),
             "recovery_s": round(statistics.mean(recoveries), 3) if recoveries else None,
@@ -75,7 +76,7 @@ def bench_chaos(n: int = 4, steps: int = 300, kill_every: float | None = None, c
     The kills fall every ``kill_every`` seconds of the fault-free run's training time, or,
     by default, ``kills`` of them spread evenly over it. The jaxft run uses ``admission``
     (``ready``: survivors train on while a restarted process sets up) and ``precompile``
-    (:mod:`jaxft.warmup`); so does the fault-free run, the reference of every goodput. The
+    (:mod:`jaxft.worker.warmup`); so does the fault-free run, the reference of every goodput. The
     restart-all run has no use for either. All three use ``reduction`` (``jaxft.ElasticTrainer``;
     the chunked ones in :data:`CHUNKS` chunks), ``pipeline`` and ``commit_every`` (``jaxft.ElasticLoop``;
     ``checkpoint_every`` must then be a multiple of ``commit_every``), and
@@ -110,8 +111,8 @@ def bench_chaos(n: int = 4, steps: int = 300, kill_every: float | None = None, c
     elastic = ("--admission", admission, "--precompile", str(precompile))
     ff_events = job("fault_free", "on-failure", [], elastic)
     start = min(e["time"] for e in ff_events)
-    first_commit = min(e["time"] for e in ff_events if e["event"] == "commit") - start
-    last_commit = max(e["time"] for e in ff_events if e["event"] == "commit") - start
+    first_commit = min(e["time"] for e in ff_events if e["event"] == Event.COMMIT) - start
+    last_commit = max(e["time"] for e in ff_events if e["event"] == Event.COMMIT) - start
     rng = random.Random(seed)
     times = []
     if kill_every:

@@ -11,10 +11,10 @@ import time
 import jax
 import numpy as np
 
-from jaxft.checkpoint import orbax
-from jaxft.checkpoint.layout import FORMAT, flatten_state, state_checksum
-from jaxft.checkpoint.store import CheckpointStore
 from jaxft.events import EventLog
+from jaxft.worker.checkpoint import orbax
+from jaxft.worker.checkpoint.layout import FORMAT, flatten_state, state_checksum
+from jaxft.worker.checkpoint.store import CheckpointStore
 
 
 def _bench_state(nbytes: float, seed: int = 0):

@@ -19,27 +19,28 @@ import sys
 import tempfile
 
 from jaxft.events import read_events
+from jaxft.protocol import Event
 
 
 def kill_figures(events: list[dict]) -> dict:
     """Per kill and per rejoin figures from a run's events (each victim from its ``fault`` event)."""
-    commits = sorted((e["time"], e["step"], e["process"]) for e in events if e["event"] == "commit")
+    commits = sorted((e["time"], e["step"], e["process"]) for e in events if e["event"] == Event.COMMIT)
     first_commit: dict[int, float] = {}
     for t, step, _ in commits:
         first_commit.setdefault(step, t)
     new_commits = sorted(first_commit.values())
-    faults = sorted((e["time"], e["step"], e["process"]) for e in events if e["event"] == "fault")
+    faults = sorted((e["time"], e["step"], e["process"]) for e in events if e["event"] == Event.FAULT)
     stalls = []
-    for t, step, victim in faults:
+    for t, _step, victim in faults:
         after = [c for c, s, p in commits if c > t and p != victim]
         if after:
             stalls.append(round(after[0] - t, 3))
     rejoins = []
     for e in events:
-        if e["event"] != "initialized" or e.get("incarnation", 0) == 0:
+        if e["event"] != Event.INITIALIZED or e.get("incarnation", 0) == 0:
             continue
         p, inc, t0 = e["process"], e["incarnation"], e["time"]
-        mine = sorted(c["time"] for c in events if c["event"] == "commit" and c["process"] == p
+        mine = sorted(c["time"] for c in events if c["event"] == Event.COMMIT and c["process"] == p
                       and c.get("incarnation", 0) == inc)
         if not mine:
             continue

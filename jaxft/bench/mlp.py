@@ -35,10 +35,10 @@ flags.DEFINE_integer("checkpoint_every", 0, "async Orbax checkpoint every K comm
 flags.DEFINE_string("checkpoint_dir", None, "checkpoint directory (default: $JAXFT_RUN_DIR/checkpoints)")
 flags.DEFINE_enum("admission", "ready", ["ready", "connect"],
                   "ready: the others train on while a restarted process sets up, and admit it once it is "
-                  "ready (jaxft.admission); connect: it is a member from its first step (the others wait)")
+                  "ready (jaxft.worker.admission); connect: it is a member from its first step (the others wait)")
 flags.DEFINE_integer("keep", 3, "complete checkpoints to keep (max_to_keep; 0: keep all)")
 flags.DEFINE_integer("precompile", 0, "compile the step for each member set one failure away in the "
-                     "background while there are at most this many members (0: off; see jaxft.warmup)")
+                     "background while there are at most this many members (0: off; see jaxft.worker.warmup)")
 flags.DEFINE_integer("commit_every", 1, "one commit query per this many steps (jaxft.ElasticLoop's commit_every: "
                      "a failure undoes the steps since the last commit)", lower_bound=1)
 flags.DEFINE_bool("pipeline", False, "start each step's program before the previous step's commit query "
@@ -97,7 +97,7 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # keep jax's INFO lines out of the workers' output
     if FLAGS.checkpoint_every:
-        from jaxft import checkpoint  # noqa: F401 - Orbax imports slowly: do it before joining the job
+        from jaxft.worker import checkpoint  # noqa: F401 - Orbax imports slowly: do it before joining the job
     rt = jaxft.initialize(wait_until_forgotten=FLAGS.admission == "ready")  # before any other JAX use
     import time
 
@@ -113,7 +113,7 @@ def main(argv):
 
     ckpt = None
     if FLAGS.checkpoint_every:
-        from jaxft.checkpoint import resolve_directory
+        from jaxft.worker.checkpoint import resolve_directory
 
         ckpt = jaxft.ElasticCheckpointer(resolve_directory(FLAGS.checkpoint_dir), every=FLAGS.checkpoint_every,
                                          keep=FLAGS.keep or None, runtime=rt, data=data,

@@ -12,6 +12,7 @@ import time
 
 from jaxft.bench._jobs import launch, result
 from jaxft.errors import ConfigError
+from jaxft.protocol import Event
 
 CHUNKS = 8  # the chunked reductions' chunk count in this bench
 
@@ -25,11 +26,12 @@ def worker(steps: int, hidden: int, batch: int, admission: str = "ready", reduct
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    from jaxft import kv
-    from jaxft.data import shard_batch
-    from jaxft.trainer import _replicate, make_train_step
+    from jaxft.worker import kv
+    from jaxft.worker.data import shard_batch
+    from jaxft.worker.trainer import _replicate, make_train_step
 
     rng = np.random.default_rng(0)
     data = {"x": rng.normal(size=(batch * 4, hidden)).astype(np.float32),
@@ -90,7 +92,7 @@ def worker(steps: int, hidden: int, batch: int, admission: str = "ready", reduct
         done += k
     del NamedSharding, P
     el, pl, fl = (statistics.median(blocks[name]) for name in ("elastic", "plain", "floor"))
-    rt.events.log("bench_overhead", elastic_ms=round(el * 1e3, 3), plain_ms=round(pl * 1e3, 3),
+    rt.events.log(Event.BENCH_OVERHEAD, elastic_ms=round(el * 1e3, 3), plain_ms=round(pl * 1e3, 3),
                   floor_ms=round(fl * 1e3, 3), ratio=round(el / pl, 4), floor_ratio=round(fl / pl, 4),
                   steps=steps, processes=rt.num_processes, hidden=hidden, global_batch=batch, reduction=reduction,
                   pipeline=pipeline, started_early=trainer.loop.started_early, commit_every=commit_every,

@@ -13,6 +13,7 @@ import time
 
 from jaxft.bench._jobs import launch, result
 from jaxft.events import read_events
+from jaxft.protocol import Event
 
 
 def _socket_copy_s(nbytes: int) -> float:
@@ -66,7 +67,7 @@ def worker(mb: float) -> None:
     rt = jaxft.initialize()
     import numpy as np
 
-    from jaxft import transfer
+    from jaxft.worker import transfer
 
     n = int(mb * (1 << 20)) // 4
     tree = {"params": np.arange(n // 2, dtype=np.float32), "opt": np.arange(n - n // 2, dtype=np.int32)}
@@ -92,11 +93,11 @@ def worker(mb: float) -> None:
     ok = all(np.array_equal(got[k], np.asarray(v) if rt.process_id == 0 else got[k]) for k, v in tree.items())
     ok = ok and bool(got["params"][-1] == np.float32(n // 2 - 1))
     role = "donor" if rt.process_id == 0 else "joiner" if rt.process_id == 1 else "bystander"
-    rt.events.log("bench_rehydrate_memory", role=role,
+    rt.events.log(Event.BENCH_REHYDRATE_MEMORY, role=role,
                   rounds_mb=[None if e is None else round(e / 1e6, 1) for e in extra])
     sock = statistics.median(_socket_copy_s(nbytes) for _ in range(3)) if rt.process_id == 0 else 0.0
     t = statistics.median(times)
-    rt.events.log("bench_rehydrate", bytes=nbytes, seconds=round(t, 4), mb_per_s=round(nbytes / t / 1e6, 1),
+    rt.events.log(Event.BENCH_REHYDRATE, bytes=nbytes, seconds=round(t, 4), mb_per_s=round(nbytes / t / 1e6, 1),
                   socket_seconds=round(sock, 4), socket_mb_per_s=round(nbytes / sock / 1e6, 1) if sock else None,
                   ratio=round(t / sock, 2) if sock else None,
                   rate_ratio=round(sock / t, 2) if sock else None, correct=ok, processes=rt.num_processes)
@@ -109,7 +110,7 @@ def bench_rehydrate(n: int = 2, mb: float = 100) -> dict:
         r = result(run_dir, "bench_rehydrate")
         memory: dict[str, dict] = {}
         for e in read_events(run_dir):
-            if e["event"] == "bench_rehydrate_memory":
+            if e["event"] == Event.BENCH_REHYDRATE_MEMORY:
                 rounds = e["rounds_mb"]
                 seen = memory.setdefault(e["role"], {"first": None, "warm": None})
                 if None not in rounds:  # the largest over the processes of this role

@@ -16,9 +16,10 @@ args, _ = parser.parse_known_args()  # extra words: markers tests put on the com
 
 rt = jaxft.initialize()
 
-import jax  # noqa: E402  (after initialize, on purpose)
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 group = jaxft.ElasticGroup()
 rt.events.log("worker_start", devices=len(jax.devices()))

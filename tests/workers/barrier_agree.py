@@ -1,7 +1,7 @@
 """Test worker: every member of one key-value barrier gets the same outcome.
 
 Run by tests/test_kv_barrier.py under ``jaxft launch -n 2``. Process 1 arrives at a
-:class:`jaxft.kv.KVBarrier` and then gives up (its ``cancel`` is set from a thread once its
+:class:`jaxft.worker.kv.KVBarrier` and then gives up (its ``cancel`` is set from a thread once its
 arrival key is in the store, as when a death is recorded); process 0 arrives only after that
 (once process 1's ``abandoned`` marker is written), so it finds every arrival key present.
 Then both pass a barrier of a fresh namespace, and process 0 removes both namespaces' keys.
@@ -15,10 +15,10 @@ import jaxft
 
 rt = jaxft.initialize()
 
-import jax  # noqa: E402  (after initialize, on purpose)
+import jax
 
-from jaxft import kv  # noqa: E402
-from jaxft.errors import BarrierAbandoned, BarrierTimeout  # noqa: E402
+from jaxft.errors import BarrierAbandoned, BarrierTimeout
+from jaxft.worker import kv
 
 SPLIT, PASSING = "test/agree", "test/agree-pass"
 me = jax.process_index()

@@ -3,7 +3,7 @@
 Run by tests/test_breaker.py under ``jaxft launch -n 2``. Each process holds a connection of
 its own: a client socket to a server it listens with on a high port, and the connection that
 server accepted. After an all-reduce has connected gloo, process 0 enters another all-reduce
-and process 1, instead of joining it, breaks its data plane (:func:`jaxft.breaker.break_data_plane`),
+and process 1, instead of joining it, breaks its data plane (:func:`jaxft.worker.breaker.break_data_plane`),
 then checks that its own connection still carries data both ways. Each logs a ``breaker``
 event: process 0 how its all-reduce ended and after how long, process 1 how many connections
 it broke and whether its own connection survived.
@@ -16,12 +16,13 @@ import jaxft
 
 rt = jaxft.initialize()
 
-import jax  # noqa: E402  (after initialize, on purpose)
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxft import breaker, kv  # noqa: E402
+from jaxft.worker import breaker, kv
 
 
 def cross_process_sum() -> float:

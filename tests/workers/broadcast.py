@@ -1,4 +1,4 @@
-"""Test worker: :func:`jaxft.transfer.broadcast_tree` of a mixed-dtype tree from a donor.
+"""Test worker: :func:`jaxft.worker.transfer.broadcast_tree` of a mixed-dtype tree from a donor.
 
 Every process builds a tree of the same structure, shapes and dtypes; only the donor's holds
 the reference values (the others hold other values). Per transfer it logs ``broadcast``:
@@ -19,12 +19,12 @@ args, _ = parser.parse_known_args()
 
 rt = jaxft.initialize()
 
-import jax  # noqa: E402  (after initialize, on purpose)
-import jax.numpy as jnp  # noqa: E402
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 
-from jaxft import transfer  # noqa: E402
+from jaxft.worker import transfer
 
 
 def make_tree(seed: int, big: int) -> dict:

@@ -13,10 +13,11 @@ import jaxft
 
 rt = jaxft.initialize(compilation_cache=sys.argv[1])
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 hits = []
 jax.monitoring.register_event_listener(

@@ -10,9 +10,10 @@ import jaxft
 
 rt = jaxft.initialize()
 
-import jax  # noqa: E402
-import optax  # noqa: E402
-from jaxft.bench.mlp import init_params, loss_fn, make_dataset  # noqa: E402
+import jax
+import optax
+
+from jaxft.bench.mlp import init_params, loss_fn, make_dataset
 
 
 def corrupt(trainer, record):

@@ -5,7 +5,7 @@ use: ``records`` (the launcher's death records), ``restart`` (the restart's new 
 records hidden), ``heartbeat`` (neither: the dead life's heartbeat, whose nonce only its
 registration tells). Process 1's first life registers, agrees a member map with process 0
 and SIGKILLs itself before reaching the barrier (the rebuild hole: the barrier never learns
-its nonce from an arrival). Process 0 waits in a :class:`jaxft.kv.KVBarrier` over that map
+its nonce from an arrival). Process 0 waits in a :class:`jaxft.worker.kv.KVBarrier` over that map
 and logs a ``barrier`` event saying how it ended; a later life of process 1 registers,
 waits for that event's key and exits 0.
 """
@@ -19,10 +19,11 @@ import jaxft
 
 rt = jaxft.initialize()
 
-import jax  # noqa: E402  (after initialize, on purpose)
+import jax
 
-from jaxft import envvars, kv, lives  # noqa: E402
-from jaxft.errors import BarrierAbandoned, BarrierTimeout  # noqa: E402
+from jaxft import protocol
+from jaxft.errors import BarrierAbandoned, BarrierTimeout
+from jaxft.worker import kv, lives
 
 mode = sys.argv[1]
 me = jax.process_index()
@@ -36,7 +37,7 @@ assert live[me] == life.incarnation, (live, life)  # what member maps hold is wh
 if me == 1:
     os.kill(os.getpid(), signal.SIGKILL)
 if mode != "records":
-    os.environ.pop(envvars.FAULT_STATE_DIR, None)
+    os.environ.pop(protocol.FAULT_STATE_DIR, None)
 timeouts = rt.timeouts.replace(save_dead_after=2.0 if mode == "heartbeat" else 60.0, reset=30.0)
 barrier = kv.KVBarrier("test/rebuild", [0, 1], 0, timeouts=timeouts, what="reset", dead_after="save_dead_after",
                        unknown_after="reset", timeout_name="reset", lives=live)

@@ -23,11 +23,11 @@ parser.add_argument("--checkpoint_every", type=int, default=0)
 args, _ = parser.parse_known_args()
 rt = jaxft.initialize()
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import jax
+import numpy as np
+import optax
 
-from jaxft.bench.mlp import init_params, loss_fn, make_dataset  # noqa: E402
+from jaxft.bench.mlp import init_params, loss_fn, make_dataset
 
 
 class FlakyBatches(jaxft.GlobalBatches):

@@ -7,9 +7,9 @@ import jaxft
 
 rt = jaxft.initialize()
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import jax.numpy as jnp
+import numpy as np
+import optax
 
 rng = np.random.default_rng(0)
 data = {"x": rng.normal(size=(40, 4)).astype(np.float32) + 2.0, "y": rng.normal(size=(40,)).astype(np.float32)}

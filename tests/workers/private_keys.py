@@ -12,14 +12,16 @@ import jaxft
 
 rt = jaxft.initialize()
 
-import jax  # noqa: E402  (after initialize, on purpose)
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
-from jax.extend import backend as jax_backend  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.extend import backend as jax_backend
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxft import _compat, breaker, kv  # noqa: E402
+from jaxft import _compat
+from jaxft.worker import breaker, kv
 
 
 def cross_process_sum() -> float:
@@ -48,7 +50,7 @@ def gloo_listener_advertised() -> bool:
 def has(key: str) -> bool:
     try:
         return kv.client().key_value_try_get_bytes(key) is not None
-    except Exception:  # NOT_FOUND is raised
+    except Exception:  # noqa: BLE001 - NOT_FOUND is raised
         return False
 
 

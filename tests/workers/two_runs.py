@@ -12,8 +12,8 @@ parser.add_argument("--steps", type=int, default=8)
 args, _ = parser.parse_known_args()
 rt = jaxft.initialize()
 
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
+import numpy as np
+import optax
 
 rng = np.random.default_rng(0)
 data = {"x": rng.normal(size=(64, 4)).astype(np.float32), "y": rng.normal(size=(64,)).astype(np.float32)}

@@ -1,0 +1,445 @@
+"""What ``jaxft launch`` shows a person: a progress line, one line per incident, a summary.
+
+Two modes:
+
+* ``progress`` (the CLI's default): each worker's full output goes to
+  ``RUN_DIR/logs/process-P.incarnation-I.log`` (the launcher's own messages to
+  ``RUN_DIR/logs/launcher.log``); the console shows one live progress line (a ``rich``
+  live line on a terminal, a plain line every ``progress_every`` seconds otherwise), one
+  line per incident that tells its story, and a summary. Everything is derived from the
+  events the workers already write to ``RUN_DIR/events.jsonl``, which a thread tails. A
+  worker that exits with an error code shows its last lines; expected deaths never do.
+* ``raw``: today's stream, every worker line prefixed with ``[P]`` (``--console raw``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from typing import IO, TextIO
+
+from jaxft.protocol import Event
+
+CONSOLE_MODES = ("progress", "raw")
+TAIL_LINES = 25  # worker lines shown when it fails unexpectedly
+EXPECTED_EXIT_REASONS = ("terminated by launcher", "killed by --restart all")
+
+
+def _fmt_time(seconds: float | None) -> str:
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "-:--"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def _procs(ps: Iterable[int]) -> str:
+    ps = sorted(ps)
+    return f"process {ps[0]}" if len(ps) == 1 else "processes " + ", ".join(map(str, ps))
+
+
+@dataclasses.dataclass
+class Incident:
+    """One burst of failures and how the run got over it."""
+
+    start: float
+    step: int  # the step being computed when it began
+    deaths: dict[int, str] = dataclasses.field(default_factory=dict)  # process -> how it died
+    death_steps: dict[int, int] = dataclasses.field(default_factory=dict)
+    exited: set[int] = dataclasses.field(default_factory=set)
+    pending: set[int] = dataclasses.field(default_factory=set)  # restarted, not training yet
+    back: set[int] = dataclasses.field(default_factory=set)  # restarted and training again
+    retried: tuple[int, int, float] | None = None  # (members, step, seconds)
+    failed_steps: set[int] = dataclasses.field(default_factory=set)
+    rejoins: list[str] = dataclasses.field(default_factory=list)
+    restored: dict[int, tuple[int, float]] = dataclasses.field(default_factory=dict)  # process -> (step, s)
+    restart_all: bool = False
+    gave_up: dict[int, int] = dataclasses.field(default_factory=dict)  # process -> crashes alike (not restarted)
+    resumed_at: float | None = None  # first commit of a new step after a cold restart
+
+    def story(self, ended: bool = False) -> str:
+        """One line: who died, how the run got over it; ``ended``: the run finished while this
+        incident was open (a restarted process still setting up then is not a lost one)."""
+        causes = collections.defaultdict(list)
+        for p, how in self.deaths.items():
+            causes[(self.death_steps.get(p, self.step), how)].append(p)
+        parts = [f"{_procs(ps)} {'died' if 'code' not in how else 'failed'} at step {step} ({how})"
+                 for (step, how), ps in sorted(causes.items())]
+        if self.retried:
+            n, step, secs = self.retried
+            parts.append(f"{n} member{'s' if n != 1 else ''} retried step {step} in {secs:.1f} s")
+        if self.restart_all:
+            parts.append("all processes restarted (--restart all)")
+        down = set(self.deaths) - self.back - set(self.gave_up)
+        late = down & self.pending if ended else set()  # restarted; the run ended before they rejoined
+        restored = {p: r for p, r in self.restored.items() if p not in late}
+        if restored:
+            step, secs = next(iter(restored.values()))
+            parts.append(f"{_procs(restored)} restored checkpoint step {step} "
+                         f"in {max(s for _, s in restored.values()):.1f} s")
+        if self.resumed_at is not None and not self.retried:
+            parts.append(f"training resumed after {self.resumed_at - self.start:.1f} s")
+        parts.extend(self.rejoins)
+        if late:
+            parts.append(f"{_procs(late)} restarted; the run ended before {'it' if len(late) == 1 else 'they'} "
+                         "could rejoin")
+        if self.gave_up:
+            parts.append(f"{_procs(self.gave_up)} crashed {max(self.gave_up.values())} times in a row before "
+                         "a commit: not restarted")
+        if down - late and not self.restart_all:
+            parts.append(f"{_procs(down - late)} did not come back")
+        return "; ".join(parts)
+
+
+class RunTracker:
+    """Folds a run's events into progress figures and incident stories (no I/O)."""
+
+    def __init__(self, num_processes: int | None = None):
+        self.num_processes = num_processes
+        self.total: int | None = None
+        self.start: float | None = None
+        self.step = 0  # steps committed (the next step to compute)
+        self.width = 0
+        self.commit_times: collections.deque = collections.deque(maxlen=50)  # (time, step)
+        self.incidents_seen = 0
+        self.open: Incident | None = None
+        self.finals: dict[int, str] = {}
+        self.stories: list[str] = []  # closed incidents, in order
+        self._fault_steps: dict[int, int] = {}
+        self._committed: set[int] = set()
+
+    # -- events ---------------------------------------------------------------------------
+    def feed(self, e: dict) -> list[str]:
+        """Take one event; returns the stories of incidents it closed."""
+        kind, t, p = e.get("event"), e.get("time", 0.0), e.get("process")
+        if kind in (Event.RUN_START, Event.LAUNCH) and self.start is None:
+            self.start = t
+        if kind == Event.TRAIN_START and e.get("total_steps"):
+            self.total = int(e["total_steps"])
+        elif kind == Event.FAULT and isinstance(p, int):
+            if e.get("step") is not None:
+                self._fault_steps[p] = int(e["step"])
+            self._incident(t).deaths.setdefault(p, "SIGKILL" if e.get("action") != "stop" else "SIGSTOP")
+            self.open.death_steps.setdefault(p, self._fault_steps.get(p, self.step))
+        elif kind == Event.EXIT and isinstance(p, int):
+            self._exit(e, t, p)
+        elif kind == Event.RESTART and self.open is not None and isinstance(p, int):
+            self.open.pending.add(p)
+        elif kind == Event.CRASH_LOOP and isinstance(p, int):
+            inc = self._incident(t)
+            inc.pending.discard(p)
+            inc.gave_up[p] = int(e.get("crashes", 0))
+        elif kind == Event.STEP_FAILED and self.open is not None:
+            self.open.failed_steps.add(int(e["step"]))
+        elif kind == Event.REHYDRATED and self.open is not None:
+            self.open.restored.pop(p, None)  # a joiner's start-up restore, superseded by a live peer's state
+            self.open.rejoins.append(f"process {p} rejoined at step {e.get('step')}, rehydrated from "
+                                     f"process {e.get('donor')} in {float(e.get('seconds', 0)):.1f} s")
+        elif kind == Event.RESTORED and self.open is not None and isinstance(p, int):
+            self.open.restored[p] = (int(e.get("step", 0)), float(e.get("seconds", 0.0)))
+        elif kind == Event.COMMIT:
+            return self._commit(e, t, p)
+        elif kind == Event.FINAL and isinstance(p, int):
+            self.finals[p] = str(e.get("params_sha256", ""))
+        return []
+
+    def _incident(self, t: float) -> Incident:
+        if self.open is None:
+            self.open = Incident(start=t, step=self.step)
+            self.incidents_seen += 1
+        return self.open
+
+    def _exit(self, e: dict, t: float, p: int) -> None:
+        reason = e.get("reason")
+        if reason == "terminated by launcher":
+            return
+        if reason == "killed by --restart all":
+            if self.open is not None:
+                self.open.restart_all = True
+            return
+        sig, code = e.get("signal"), e.get("code")
+        if sig is None and code == 0:
+            return
+        inc = self._incident(t)
+        how = (f"hung, {reason}" if reason and "hung" in reason else sig) if sig else f"exit code {code}"
+        if p not in inc.deaths or sig is None or (reason and "hung" in reason):
+            inc.deaths[p] = how
+        inc.death_steps.setdefault(p, self._fault_steps.get(p, self.step))
+        inc.exited.add(p)
+
+    def _commit(self, e: dict, t: float, p) -> list[str]:
+        step = int(e["step"])
+        members = e.get("members") or []
+        new = step not in self._committed
+        if new:
+            self._committed.add(step)
+            self.step = max(self.step, step + 1)
+            self.width = len(members)
+            self.commit_times.append((t, step))
+        inc = self.open
+        if inc is None:
+            return []
+        if step in inc.failed_steps and inc.retried is None and new:
+            inc.retried = (len(members), step, t - inc.start)
+        if isinstance(p, int) and p in inc.pending:
+            inc.pending.discard(p)
+            inc.back.add(p)
+        if inc.resumed_at is None and (inc.restored or inc.restart_all) and not inc.pending:
+            inc.resumed_at = t
+        if not inc.pending and inc.exited >= set(inc.deaths) and (inc.retried or not inc.failed_steps
+                                                                    or inc.resumed_at):
+            return [self._close()]
+        return []
+
+    def _close(self, ended: bool = False) -> str:
+        story = self.open.story(ended)
+        self.stories.append(story)
+        self.open = None
+        return story
+
+    def finish(self) -> list[str]:
+        """At the end of the run: the story of an incident still open."""
+        if self.open is None:
+            return []
+        return [self._close(ended=True)]
+
+    # -- figures --------------------------------------------------------------------------
+    def rate(self) -> float | None:
+        """Steps per second over the recent commits."""
+        if len(self.commit_times) < 2:
+            return None
+        (t0, s0), (t1, s1) = self.commit_times[0], self.commit_times[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else None
+
+    def line(self, now: float) -> str:
+        elapsed = now - self.start if self.start else 0.0
+        rate = self.rate()
+        total = self.total
+        eta = (total - self.step) / rate if rate and total else None
+        return (f"step {self.step}/{total or '?'} | {f'{rate:.2f}' if rate else '-'} steps/s | "
+                f"width {self.width} | incidents {self.incidents_seen} | "
+                f"elapsed {_fmt_time(elapsed)} | ETA {_fmt_time(eta)}")
+
+
+def crash_loop_message(e: dict) -> str:
+    """The launcher's line for a ``crash_loop`` event (:mod:`jaxft.supervisor.crashloop`)."""
+    how = f"exit code {e['code']}" if e.get("code") is not None else str(e.get("signal"))
+    what = ("stopping the job (--restart all restarts every worker or none)" if e.get("restart") == "all"
+            else "not restarting it")
+    return (f"process {e.get('process')} crashed {e.get('crashes')} times in a row before committing a step, "
+            f"each time with {how}: a restart repeats it, {what}; see its output "
+            "(--max-setup-crashes sets the limit, 0 turns this off)")
+
+
+class Console:
+    """The launcher's output: worker streams, its own messages, and (mode ``progress``) the
+    progress line and incident stories tailed from ``events.jsonl``."""
+
+    def __init__(self, mode: str, run_dir: str | None, out: TextIO = sys.stdout,
+                 num_processes: int | None = None, progress_every: float = 10.0):
+        if mode not in CONSOLE_MODES:
+            raise ValueError(f"console mode must be one of {CONSOLE_MODES}, got {mode!r}")
+        self.mode = mode
+        self.run_dir = run_dir
+        self.out = out
+        self.progress_every = progress_every
+        self.tracker = RunTracker(num_processes)
+        self._lock = threading.Lock()
+        # (process, incarnation) -> its last lines; per life, as a restart starts before the
+        # previous life's exit is drained from the events
+        self._tails: dict[tuple[int, int], collections.deque] = {}
+        self._shown: dict[int, tuple[int, list[str]]] = {}  # process -> (life, last lines) last shown
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._offset = 0
+        self._live = None
+        self._launcher_log: IO[str] | None = None
+        self._saved_stderr: int | None = None
+        self.logs_dir = os.path.join(run_dir, "logs") if (run_dir and mode == "progress") else None
+
+    @property
+    def progress(self) -> bool:
+        return self.mode == "progress"
+
+    # -- launcher messages and worker streams ---------------------------------------------------
+    def say(self, text: str) -> None:
+        """A launcher message: on the console (raw) or in ``logs/launcher.log`` (progress)."""
+        with self._lock:
+            if self.progress and self.logs_dir:
+                if self._launcher_log is None:
+                    os.makedirs(self.logs_dir, exist_ok=True)
+                    self._launcher_log = open(os.path.join(self.logs_dir, "launcher.log"), "a")  # noqa: SIM115 - kept open
+                self._launcher_log.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+                self._launcher_log.flush()
+            else:
+                self.out.write(f"[jaxft] {text}\n")
+                self.out.flush()
+
+    def warn(self, text: str) -> None:
+        """A launcher message a person must see in every mode (and in ``launcher.log``)."""
+        self.say(text)
+        if self.progress:
+            self._print(f"[jaxft] {text}")
+
+    def _print(self, text: str) -> None:
+        with self._lock:
+            if self._live is not None:
+                self._live.console.print(text, markup=False, highlight=False, soft_wrap=True)
+            else:
+                self.out.write(text + "\n")
+                self.out.flush()
+
+    def pump(self, process: int, incarnation: int, stream) -> None:
+        """Copy one worker's output: prefixed to the console (raw) or to its log file."""
+        if not self.progress:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode(errors="replace").rstrip("\n")
+                with self._lock:
+                    self.out.write(f"[{process}] {line}\n")
+                    self.out.flush()
+            stream.close()
+            return
+        tail = self._tails.setdefault((process, incarnation), collections.deque(maxlen=TAIL_LINES))
+        os.makedirs(self.logs_dir, exist_ok=True)
+        path = os.path.join(self.logs_dir, f"process-{process}.incarnation-{incarnation}.log")
+        with open(path, "ab") as f:
+            for raw in iter(stream.readline, b""):
+                f.write(raw)
+                f.flush()
+                tail.append(raw.decode(errors="replace").rstrip("\n"))
+        stream.close()
+
+    def log_path(self, process: int, incarnation: int) -> str:
+        return os.path.join(self.logs_dir or "", f"process-{process}.incarnation-{incarnation}.log")
+
+    # -- the progress thread --------------------------------------------------------------------
+    def start(self, run_dir_note: str = "") -> None:
+        """Say where the run dir is (with ``run_dir_note``: always; else in mode progress) and
+        start the progress line (mode progress)."""
+        if not self.progress:
+            if run_dir_note:
+                self.say(f"run dir {self.run_dir}{run_dir_note}")
+            return
+        self._print(f"[jaxft] run dir {self.run_dir}{run_dir_note}; worker output in {self.logs_dir}/")
+        self._offset = self._events_size()  # a relaunch into a used run dir tells only its own story
+        # The launcher's own native stderr (the coordination service's C++ log lines) goes to
+        # logs/launcher.log until close(); Python-level errors are printed after close().
+        os.makedirs(self.logs_dir, exist_ok=True)
+        sys.stderr.flush()
+        self._saved_stderr = os.dup(2)
+        fd = os.open(os.path.join(self.logs_dir, "launcher.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
+        if getattr(self.out, "isatty", lambda: False)():
+            from rich.console import Console as RichConsole
+            from rich.live import Live
+
+            self._live = Live("", console=RichConsole(file=self.out), refresh_per_second=4, transient=True)
+            self._live.start()
+        self._thread = threading.Thread(target=self._loop, name="jaxft-console", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        last_plain = time.time()
+        while not self._stop.wait(0.25):
+            self._drain()
+            now = time.time()
+            if self._live is not None:
+                self._live.update(f"[jaxft] {self.tracker.line(now)}")
+            elif now - last_plain >= self.progress_every:
+                last_plain = now
+                self._print(f"[jaxft] {self.tracker.line(now)}")
+
+    def _events_size(self) -> int:
+        """How many bytes ``events.jsonl`` holds now (the events of earlier launches)."""
+        if not self.run_dir:
+            return 0
+        try:
+            return os.path.getsize(os.path.join(self.run_dir, "events.jsonl"))
+        except OSError:
+            return 0
+
+    def _drain(self) -> None:
+        if not self.run_dir:
+            return
+        path = os.path.join(self.run_dir, "events.jsonl")
+        try:
+            with open(path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return
+        end = data.rfind(b"\n") + 1  # a line being written stays for the next read
+        self._offset += end
+        for line in data[:end].splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:
+                continue
+            for story in self.tracker.feed(e):
+                self._print(f"[jaxft] incident: {story}")
+            if e.get("event") == Event.EXIT:
+                self._maybe_show_tail(e)
+            elif e.get("event") == Event.CRASH_LOOP:
+                self._print(f"[jaxft] {crash_loop_message(e)}")
+            elif e.get("event") == Event.INTERRUPTED:
+                self._print(f"[jaxft] received {e.get('signal')}; stopping all workers")
+
+    def _maybe_show_tail(self, e: dict) -> None:
+        """A worker that exited with an error code (not a signal, not on purpose): its last lines."""
+        code, p, life = e.get("code"), e.get("process"), int(e.get("incarnation", 0))
+        tail = list(self._tails.pop((p, life), ()))  # the life is over: its lines are no longer kept
+        if code in (None, 0) or e.get("reason") in EXPECTED_EXIT_REASONS or not isinstance(p, int):
+            return
+        where = self.log_path(p, life)
+        before = self._shown.get(p)
+        if before is not None and tail and before[1] == tail:  # a crash repeated: once is enough
+            self._print(f"[jaxft] process {p} exited with code {code}; the same last lines as incarnation "
+                        f"{before[0]} ({where})")
+            return
+        self._shown[p] = (life, tail)
+        self._print(f"[jaxft] process {p} exited with code {code}; its last lines ({where}):")
+        for line in tail:
+            self._print(f"    | {line}")
+
+    def close(self, exit_code: int, wall_s: float, restarts: dict[int, int]) -> None:
+        """Stop the progress line and print the summary (mode ``progress``)."""
+        if not self.progress:
+            return
+        self.restore_stderr()
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._drain()
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+        for story in self.tracker.finish():
+            self._print(f"[jaxft] incident: {story}")
+        t = self.tracker
+        if t.commit_times:
+            self._print(f"[jaxft] {t.line(time.time())}")
+        shas = set(t.finals.values())
+        if t.finals:
+            agree = f"identical params (sha256 {next(iter(shas))[:12]})" if len(shas) == 1 else \
+                f"DIFFERENT params ({len(shas)} distinct sha256)"
+            n = len(t.finals)
+            self._print(f"[jaxft] {n} process{'es' if n != 1 else ''} finished at step {t.step} with {agree}")
+        n = t.incidents_seen
+        self._print(f"[jaxft] done in {wall_s:.1f} s, exit code {exit_code}; {n} incident{'s' if n != 1 else ''}; "
+                    "restarts " + ", ".join(f"p{p}={n}" for p, n in sorted(restarts.items())))
+        if self._launcher_log is not None:
+            self._launcher_log.close()
+            self._launcher_log = None
+
+    def restore_stderr(self) -> None:
+        if self._saved_stderr is not None:
+            sys.stderr.flush()
+            os.dup2(self._saved_stderr, 2)
+            os.close(self._saved_stderr)
+            self._saved_stderr = None

@@ -1,0 +1,204 @@
+"""Fail a step's CPU collectives everywhere at once when one member sees a peer die.
+
+gloo runs an all-reduce as a ring: when a process dies, only its neighbours' pairs see the
+closed connection ("Connection reset by peer"); the other members wait for data from a live
+peer that has already given up, until the collective timeout (seconds). The breaker closes
+the rest of the ring at once: a member whose collective failed shuts down (``shutdown(2)``,
+the descriptors stay gloo's) every TCP connection of its CPU data plane, so each peer's
+pending receive from it fails in turn, and within milliseconds every member has left the
+step and reached the exit query that names the dead.
+
+Only gloo's connections are touched: those to or from an address that a gloo rendezvous
+record in the coordination service advertises (every process's gloo listener, under
+``cpu:gloo/...``), never the coordination service's own nor the program's other TCP
+connections (a database, a metrics server, an object store). After a break the whole CPU
+backend must be rebuilt (:class:`jaxft.ElasticGroup` does it at the next step); on GPU,
+NCCL's own abort does this job and the breaker is never used.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import sys
+import threading
+from typing import NamedTuple
+
+from jaxft import _compat
+
+logger = logging.getLogger(__name__)
+
+_ESTABLISHED = "01"
+_LISTEN = "0A"
+_ANY = "*"  # the address of an endpoint advertised on every interface (matches any)
+_READ_TIMEOUT_S = 2.0
+_protected_ports: set[int] = set()
+_learned: frozenset[Endpoint] = frozenset()  # gloo's endpoints, as last read (see gloo_endpoints)
+
+
+class Endpoint(NamedTuple):
+    ip: str  # canonical text (an IPv4-mapped IPv6 address as IPv4), or _ANY
+    port: int
+
+
+class Socket(NamedTuple):
+    state: str
+    local: Endpoint
+    remote: Endpoint
+
+
+def protect(address: str | None) -> None:
+    """Never touch connections to or from ``address``'s port (the coordination service)."""
+    if address and ":" in address:
+        try:
+            _protected_ports.add(int(address.rsplit(":", 1)[1]))
+        except ValueError:
+            pass
+
+
+def _endpoint(packed: bytes, port: int) -> Endpoint:
+    """An :class:`Endpoint` of a packed IPv4 or IPv6 address."""
+    ip = ipaddress.ip_address(packed)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return Endpoint(_ANY if ip.is_unspecified else str(ip), port)
+
+
+def _proc_endpoint(text: str) -> Endpoint:
+    """An endpoint of ``/proc/net/tcp*`` (``HEXIP:HEXPORT``; the IP in 32-bit words of host order)."""
+    hex_ip, hex_port = text.rsplit(":", 1)
+    raw = bytes.fromhex(hex_ip)
+    if sys.byteorder == "little":
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return _endpoint(raw, int(hex_port, 16))
+
+
+def _tcp_sockets() -> dict[int, Socket]:
+    """``{socket inode: Socket}`` of the TCP sockets in this network namespace."""
+    out: dict[int, Socket] = {}
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    cols = line.split()
+                    if len(cols) >= 10:
+                        out[int(cols[9])] = Socket(cols[3], _proc_endpoint(cols[1]), _proc_endpoint(cols[2]))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _my_sockets() -> dict[int, int]:
+    """``{socket inode: file descriptor}`` of this process's sockets."""
+    out: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out[int(target[8:-1])] = int(name)
+    return out
+
+
+def _advertised() -> set[Endpoint] | None:
+    """The endpoints gloo's rendezvous records advertise (every process's gloo listener), read
+    from the coordination service within ``_READ_TIMEOUT_S``; None if they cannot be read."""
+    client = _compat.distributed_client_or_none()
+    if client is None:
+        return None
+    values: list[bytes] = []
+
+    def read() -> None:
+        try:
+            values.extend(v for _, v in client.key_value_dir_get_bytes(_compat.GLOO_KEY_PREFIX))
+        except Exception as e:  # noqa: BLE001 - the caller goes on with what it learnt before
+            logger.warning("cannot read gloo's rendezvous records: %s", e)
+        finally:
+            done.set()
+
+    done = threading.Event()
+    threading.Thread(target=read, name="jaxft-breaker-read", daemon=True).start()
+    if not done.wait(_READ_TIMEOUT_S):
+        logger.warning("gloo's rendezvous records not read within %.0f s", _READ_TIMEOUT_S)
+        return None
+    addresses = (_compat.gloo_listen_address(v) for v in values)
+    return {_endpoint(*a) for a in addresses if a is not None}
+
+
+def _matches(endpoint: Endpoint, known: frozenset[Endpoint]) -> bool:
+    """Whether ``endpoint`` is one of ``known`` (an address on every interface matches any)."""
+    if endpoint in known or Endpoint(_ANY, endpoint.port) in known:
+        return True
+    return endpoint.ip == _ANY and any(k.port == endpoint.port for k in known)
+
+
+def gloo_endpoints(listening: set[Endpoint]) -> frozenset[Endpoint]:
+    """The endpoints of gloo's listeners (this process's and its peers'), given this process's
+    listening endpoints.
+
+    Read from the coordination service at each call (a break is rare), merged with what the
+    last read learnt while that still belongs to this backend (one of its endpoints is still
+    listening here): the records can be deleted for a rebuild while the old pairs still exist.
+    """
+    global _learned
+    same_backend = any(_matches(e, _learned) for e in listening)
+    fresh = _advertised()
+    kept = _learned if same_backend else frozenset()
+    _learned = kept | frozenset(fresh or ())
+    return _learned
+
+
+def data_plane_fds() -> list[int]:
+    """File descriptors of this process's CPU data-plane connections (gloo's pairs).
+
+    An established TCP connection counts when one of its ends is a gloo listener that gloo's
+    rendezvous records advertise (see :func:`gloo_endpoints`): accepted by this process's
+    gloo listener, or made to a peer's. Never one to or from the coordination service's port.
+    """
+    table, mine = _tcp_sockets(), _my_sockets()
+    listening = {table[i].local for i in mine if i in table and table[i].state == _LISTEN}
+    gloo = gloo_endpoints(listening)
+    fds = []
+    for inode, fd in mine.items():
+        entry = table.get(inode)
+        if entry is None or entry.state != _ESTABLISHED:
+            continue
+        if entry.local.port in _protected_ports or entry.remote.port in _protected_ports:
+            continue
+        if _matches(entry.local, gloo) or _matches(entry.remote, gloo):
+            fds.append(fd)
+    return fds
+
+
+def break_data_plane() -> int:
+    """Shut down every data-plane connection (see the module docstring); returns how many."""
+    if not _protected_ports:
+        return 0  # no coordination service known: no gloo peers either (and its port unprotected)
+    n = 0
+    for fd in data_plane_fds():
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+            n += 1
+        except OSError:
+            pass
+        finally:
+            s.close()  # closes our duplicate only; gloo's descriptor stays open, its connection shut
+    logger.info("broke %d data-plane connections", n)
+    return n
+
+
+def is_collective_failure(error: BaseException | None) -> bool:
+    """Whether ``error`` is a CPU collective that failed (a peer died or broke its connections)."""
+    return error is not None and "Gloo" in str(error)

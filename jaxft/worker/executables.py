@@ -1,0 +1,409 @@
+"""Compiled step programs that outlive a CPU backend rebuild, shared by a run's processes.
+
+On CPU every rejoin rebuilds the backend (see :mod:`jaxft.worker.membership`), and a rebuild
+empties jax's in-memory caches: each member then traced and lowered its step again before
+the persistent cache could serve the executable, 0.3-0.4 s of the admission step's ~1.1 s
+with four processes on two cores (measured, see docs/design.md). Survivors retrying on a smaller
+mesh paid the same to reach an executable process 0 had compiled ahead (:mod:`jaxft.worker.warmup`).
+
+:class:`Executables` compiles each step program ahead of time (``lower(...).compile()``,
+what ``jax.jit`` does on a first call) and keeps it twice: loaded, for the current backend,
+and serialized (``jax.experimental.serialize_executable``), keyed by the mesh's device ids
+and the arguments' shapes and dtypes. After a rebuild the bytes load into the new backend
+in ~15 ms, without tracing. With a directory, process 0's programs are also written there,
+and another process with the same *fingerprint* (a hash of a reference program every process
+lowers alike, the step on every process's devices: same code, same arguments) loads them
+instead of tracing, so survivors of a failure reach the smaller mesh's executable without
+tracing either. (The hash of a process's own first program would not do: a joiner's first
+program is for the mesh it joins, and then it could read none of the others' programs;
+seen as 0.7 s admission steps where the joiner compiled what process 0 had compiled ahead.)
+
+A program is compiled once per mesh *width* (and argument signature), not once per device
+set: on CPU, the step for devices (0, 2, 3) lowers to the same module as for (1, 2, 3) (the
+mesh names devices by position), so a program kept for one loads for the other with its
+device assignment replaced (:func:`jaxft._compat.load_compiled`), after checking that the
+two lower alike (the hash of the lowered module; ~0.1 s of tracing against a compile of
+seconds). A thread that needs a program while another thread of this process compiles one
+of the same width and signature waits for that compile instead of compiling beside it: the
+warm-up compiles one program per width, and a retry that needs a width the warm-up is
+compiling takes its program (measured: the first kill's retry compiled its width-3 program
+in 5.3 s while the warm-up compiled another width-3 set beside it, see docs/design.md).
+
+Loading is an optimisation only: any failure to serialize, write, read or load is logged
+and the program is compiled as before. Programs are loaded only from the run's own
+directory, written by its own processes (a serialized executable can run arbitrary code).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import pickle
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from jaxft import _compat
+
+logger = logging.getLogger(__name__)
+
+Key = tuple  # (mesh device ids, argument signature)
+
+
+def mesh_ids(mesh: Any) -> tuple[int, ...]:
+    """The ids of ``mesh``'s devices, in mesh order: what names a mesh in every table here."""
+    return tuple(d.id for d in mesh.devices.flat)
+
+
+def signature(args: Sequence[Any]) -> tuple:
+    """The arguments' tree structure and per-leaf ``(shape, dtype)``: what a compiled program
+    checks its arguments against (shardings follow from the mesh and the layout)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tuple(args))
+    return (str(treedef),) + tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+
+
+def key(mesh_ids: tuple[int, ...], args: Sequence[Any]) -> Key:
+    """The program ``args`` need on the mesh of ``mesh_ids`` (see :class:`Executables`)."""
+    return (tuple(mesh_ids), signature(args))
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A kept step program: ``blob`` (:func:`jaxft._compat.serialize_compiled`'s bytes),
+    ``compiled_for`` (the device ids the bytes were compiled for: a program loaded for
+    other devices keeps its source's) and ``module`` (hash of its lowered module; None if
+    unknown)."""
+
+    blob: tuple
+    compiled_for: tuple[int, ...]
+    module: str | None
+
+
+def module_hash(lowered: Any) -> str:
+    """What two programs must share to run one's executable for the other's devices."""
+    return hashlib.sha256(lowered.as_text().encode()).hexdigest()[:32]
+
+
+def _same_shape(a: Key, b: Key) -> bool:
+    """Programs for as many devices with the same argument signature."""
+    return len(a[0]) == len(b[0]) and a[1] == b[1]
+
+
+class Executables:
+    """One process's step programs, by mesh and argument signature.
+
+    ``directory``: where the run's processes share the programs they compile (None: this
+    process only). A program nobody has yet is compiled by one process (the caller says which:
+    ``compiler``), the others wait for its file rather than compiling the same program at the
+    same time on the same cores; without a sign of that compile within ``appear_s`` (another
+    host with its own directory, a compiler that is not coming), or once ``wait_s`` passed,
+    they compile it themselves.
+    """
+
+    def __init__(self, directory: str | None = None, appear_s: float = 0.5, wait_s: float = 60.0,
+                 reference: Callable[[], str] | None = None) -> None:
+        self.directory = directory
+        self.reference = reference  # the text the fingerprint hashes (None: this process's first program)
+        self.appear_s = appear_s
+        self.wait_s = wait_s
+        self._lock = threading.Lock()  # the warm-up thread adds programs too
+        self._loaded: dict[Key, Any] = {}  # for the current backend
+        self._last: dict[tuple[int, ...], Any] = {}  # the program the last call on each mesh ran
+        self._blobs: dict[Key, Program] = {}  # serialized
+        self._busy: dict[Key, threading.Event] = {}  # being made by a thread of this process
+        self._compiling: dict[Key, threading.Event] = {}  # being compiled by XLA (never waiting)
+        self.reassign: bool | None = None  # load a same-width program for other devices (CPU; None: not known yet)
+        self._fingerprint: str | None = None
+        self.loads = 0  # programs loaded from bytes (this process's or shared) instead of compiled
+        self.compiles = 0
+        self.reassigned = 0  # of the loads: programs compiled for other devices of the same width
+
+    def reset(self) -> None:
+        """The backend was rebuilt: loaded programs belong to the old one; the bytes stay."""
+        with self._lock:
+            self._loaded.clear()
+            self._last.clear()
+
+    def call(self, mesh_ids: tuple[int, ...], fn: Callable, args: Sequence[Any], compiler: bool = True) -> Any:
+        """Run ``fn(*args)`` (``fn`` jitted) through its compiled program for this mesh.
+
+        The program the last call on this mesh ran is tried first: a compiled program checks
+        its arguments' tree, shapes and dtypes before it runs (``TypeError``), so the
+        signature is computed only when they changed (~10 us per leaf in Python, measured)."""
+        exe = self._last.get(mesh_ids)
+        if exe is not None:
+            try:
+                return exe(*args)
+            except TypeError:  # other arguments than the last call's: find their program
+                pass
+        k = key(mesh_ids, args)
+        exe = self._loaded.get(k)
+        if exe is None:
+            exe = self.get(k, fn, args, compiler)
+        self._last[mesh_ids] = exe
+        return exe(*args)
+
+    def get(self, key: Key, fn: Callable, args: Sequence[Any], compiler: bool = True) -> Any:
+        """The loaded program for ``key``: from memory, from bytes (this process's or shared), or
+        compiled now. The lock guards the tables only; a thread wanting a program another thread
+        of this process is compiling waits for that compile."""
+        if self._fingerprint is None and self.reference is not None and self.directory is not None:
+            self._take_fingerprint(None)
+        while True:
+            exe = self._loaded.get(key)
+            if exe is not None:
+                return exe
+            with self._lock:
+                exe = self._load(key)
+                if exe is not None:
+                    self._loaded[key] = exe
+                    return exe
+                busy = self._busy.get(key)
+                if busy is None:
+                    self._busy[key] = threading.Event()
+                    break
+            busy.wait()  # then look again: loaded, or that compile failed and this thread tries
+        try:
+            if not compiler:
+                exe = self._await_shared(key)
+            if exe is None:
+                exe = self._compile(key, fn, args)
+            with self._lock:
+                exe = self._loaded.setdefault(key, exe)
+        finally:
+            with self._lock:
+                self._busy.pop(key).set()
+        return exe
+
+    def _compile(self, key: Key, fn: Callable, args: Sequence[Any]) -> Any:
+        """Compile ``key``'s program and keep its bytes, unless jax loaded it from its persistent
+        cache (serialized again, such a CPU program loses its kernels, see
+        :func:`jaxft._compat.compile_fresh`)."""
+        marker = self._mark(key)  # first, so that the others wait for this compile from its start
+        try:
+            lowered = fn.lower(*args)
+            if self._fingerprint is None and self.directory is not None:  # now it can read shared ones
+                self._take_fingerprint(lowered)
+                with self._lock:
+                    exe = self._load(key)
+                if exe is not None:
+                    return exe  # its bytes are kept already
+                marker = self._mark(key)
+            if self.reassign is None:
+                self.reassign = jax.devices()[0].platform == "cpu"
+            module = module_hash(lowered) if self.reassign else None
+            done = threading.Event()
+            exe = self._reassigned(key, module, claim=done)
+            if exe is not None:
+                return exe
+            try:  # _reassigned registered this compile (done) as it found nothing to load
+                exe, fresh = _compat.compile_fresh(lowered)
+                self.compiles += 1
+                if fresh:
+                    with self._lock:
+                        self._keep(key, exe, module)  # the file first, then the marker goes
+            finally:
+                with self._lock:
+                    self._compiling.pop(key, None)
+                done.set()
+            return exe
+        finally:
+            if marker is not None:
+                with _suppress():
+                    os.unlink(marker)
+
+    def _reassigned(self, key: Key, module: str | None, claim: threading.Event) -> Any:
+        """``key``'s program from a kept program of the same width that lowers to the same
+        ``module`` for other devices, loaded for ``key``'s devices. While another thread of
+        this process compiles one of the same width and signature, wait for it rather than
+        compile beside it. None: there is none; then ``claim`` is registered as this thread's
+        compile of ``key`` (in the same lock hold as the look, so that two threads never both
+        compile one width; a thread waits only for a compile, which itself never waits)."""
+        give_up = time.monotonic() + self.wait_s
+        while True:
+            with self._lock:
+                source = None if module is None else next(
+                    (p for k, p in self._blobs.items() if len(k[0]) == len(key[0]) and p.module == module), None)
+                pending = [] if module is None else [e for k, e in self._compiling.items() if _same_shape(k, key)]
+                if source is None and (not pending or time.monotonic() > give_up):
+                    self._compiling[key] = claim
+                    return None
+            if source is not None:
+                break
+            pending[0].wait(max(0.0, give_up - time.monotonic()))
+        with self._lock:
+            program = Program(source.blob, source.compiled_for, module)
+            exe = self._load(key, program)
+            if exe is None:  # (logged) compile it after all
+                self._compiling[key] = claim
+                return None
+            self.reassigned += 1  # _load kept it under key; the directory gets it for the other processes
+            if self._sharing:
+                self._write(key, program)
+            self._loaded[key] = exe
+        return exe
+
+    def _take_fingerprint(self, lowered: Any) -> None:
+        """Name this process's shared programs: the hash of ``reference()`` (or, without one or
+        if it fails, of ``lowered``, this process's first program)."""
+        text = None
+        if self.reference is not None:
+            try:
+                text = self.reference()
+            except Exception as e:  # noqa: BLE001 - fall back to this process's own first program
+                logger.debug("no reference program for the shared step programs: %s", e)
+        if text is None and lowered is not None:
+            text = lowered.as_text()
+        if text is not None:
+            self._fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def _mark(self, key: Key) -> str | None:
+        """Say in the directory that this process compiles ``key`` (None: not sharing)."""
+        if not self._sharing:
+            return None
+        marker = self._path(key) + ".compiling"
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            with open(marker, "x") as f:
+                f.write(f"{socket.gethostname()} {os.getpid()}")
+        except OSError:  # another process compiles it too (or the directory is read-only)
+            return None
+        return marker
+
+    @property
+    def _sharing(self) -> bool:
+        return self.directory is not None and self._fingerprint is not None
+
+    def _await_shared(self, key: Key) -> Any:
+        """Wait for another process's compile of ``key`` to land in the directory; None if none
+        shows up within ``appear_s``, its compiler is gone, or ``wait_s`` passed."""
+        if not self._sharing:
+            return None
+        path = self._path(key)
+        marker = path + ".compiling"
+        start = time.monotonic()
+        seen = False
+        while True:
+            if os.path.exists(path):
+                with self._lock:
+                    return self._load(key)
+            owner = _read_text(marker)
+            seen = seen or owner is not None
+            waited = time.monotonic() - start
+            if (not seen and waited > self.appear_s) or waited > self.wait_s or (owner and _gone(owner)):
+                return None
+            if seen and owner is None and not os.path.exists(path):
+                return None  # the compile ended without a file (it failed, or could not be shared)
+            time.sleep(0.01)
+
+    # -- bytes ----------------------------------------------------------------------------
+    def _keep(self, key: Key, compiled: Any, module: str | None = None) -> None:
+        if key in self._blobs:
+            return
+        try:
+            blob = _compat.serialize_compiled(compiled)
+        except Exception as e:  # noqa: BLE001 - e.g. a program with constants: compile after rebuilds
+            logger.debug("step program for %s not serializable: %s", key[0], e)
+            return
+        self._keep_program(key, Program(blob, tuple(key[0]), module))
+
+    def _keep_program(self, key: Key, program: Program) -> None:
+        if key in self._blobs:
+            return
+        self._blobs[key] = program
+        if self._sharing:
+            self._write(key, program)
+
+    def _load(self, key: Key, program: Program | None = None) -> Any:
+        """``key``'s program loaded from bytes: ``program``'s, else its own kept or shared ones."""
+        if program is None:
+            program = self._blobs.get(key)
+        if program is None and self._sharing:
+            program = self._read(key)
+        if program is None:
+            return None
+        try:
+            by_id = {d.id: d for d in jax.devices()}
+            exe = _compat.load_compiled(program.blob, [by_id[i] for i in key[0]], program.compiled_for)
+        except Exception as e:  # noqa: BLE001 - compile instead
+            logger.warning("could not load the step program for devices %s (%s); compiling it", key[0], e)
+            self._blobs.pop(key, None)
+            return None
+        self._blobs.setdefault(key, program)
+        self.loads += 1
+        return exe
+
+    def _path(self, key: Key) -> str:
+        name = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+        return os.path.join(self.directory, f"step-{self._fingerprint}-{name}.pkl")
+
+    def _write(self, key: Key, program: Program) -> None:
+        path = self._path(key)
+        if os.path.exists(path):
+            return
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                pickle.dump((repr(key), program), f, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(tmp, path)  # readers never see half a file
+        except Exception as e:  # noqa: BLE001 - e.g. a tree node that does not pickle
+            logger.debug("could not share the step program for %s: %s", key[0], e)
+            with _suppress():
+                os.unlink(tmp)
+
+    def _read(self, key: Key) -> Program | None:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                stored_key, program = pickle.load(f)
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # noqa: BLE001 - a damaged file: compile instead
+            logger.warning("unreadable shared step program %s (%s); compiling it", path, e)
+            return None
+        return program if stored_key == repr(key) and isinstance(program, Program) else None
+
+
+def shared_dir() -> str | None:
+    """Where a run's processes share step programs: beside jax's persistent compilation cache
+    (``jaxft.initialize`` puts that under the run directory), or None without one."""
+    cache = jax.config.jax_compilation_cache_dir
+    return os.path.join(cache, "jaxft-steps") if cache else None
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _gone(owner: str) -> bool:
+    """Whether the process a marker names (``host pid``) is known to be dead (on this host)."""
+    host, _, pid = owner.partition(" ")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+class _suppress:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return True

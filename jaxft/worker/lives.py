@@ -1,0 +1,87 @@
+"""Lives: each incarnation of a process registers itself, so that a peer waiting for a
+member can tell that member's life is over instead of waiting out a timeout.
+
+A member map (process id -> coordination-service incarnation, as the step's liveness query
+agreed it) names lives, not processes. A member that dies after the map was agreed and
+before it reaches a barrier the map set up (the data-plane rebuild's) is invisible to a
+barrier keyed by process id: no arrival key ever tells its heartbeat nonce, and once the
+launcher restarts it, the process id looks alive again (a new heartbeat, a new launch).
+Seen in CI: a rebuild's barrier waited its full 60 s (``Timeouts.reset``) for a member
+killed right after its step's map was agreed, while that member's restart sat in its
+own first step waiting for the rebuild to end.
+
+:func:`register` (once per life, before its first liveness query, so every life named by
+any member map has registered) writes ``jaxft/life/<process>`` = the life's service
+incarnation, heartbeat nonce and launcher incarnation; a restart overwrites it.
+:func:`over` then says why a life of a map is over:
+
+* the record names another incarnation: the process restarted (the service accepted a new
+  life under its id; the launcher starts one only after the old one exited);
+* the launcher recorded that life's exit (:mod:`jaxft.worker.deaths`, local workers only);
+* otherwise nothing is known here; with the nonce (:attr:`Life.nonce`) a waiter can watch
+  the life's heartbeat, which catches host deaths too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from jaxft import protocol
+
+PREFIX = "jaxft/life/"
+
+
+@dataclasses.dataclass(frozen=True)
+class Life:
+    """One incarnation of a process, as it registered itself."""
+
+    process: int
+    incarnation: int  # the coordination service's (what member maps hold)
+    nonce: str  # its heartbeat's (jaxft.worker.kv.Heartbeat)
+    launch: int | None  # the launcher's incarnation (JAXFT_INCARNATION); None outside jaxft launch
+
+
+def register(client: Any | None = None) -> Life:
+    """Register this process's current life (one liveness query over itself and one write)."""
+    import jax
+
+    from jaxft.worker import kv
+
+    c = client if client is not None else kv.client()
+    me = jax.process_index()
+    # a query over this process alone is answered at once, with its own incarnation
+    incarnation = int(c.get_live_nodes([me])[me])
+    launch = os.environ.get(protocol.INCARNATION)
+    life = Life(me, incarnation, kv.Heartbeat.get().nonce, int(launch) if launch and launch.isdigit() else None)
+    value = {"incarnation": life.incarnation, "nonce": life.nonce, "launch": life.launch}
+    c.key_value_set(f"{PREFIX}{me}", json.dumps(value), allow_overwrite=True)
+    return life
+
+
+def current(client: Any, process: int) -> Life | None:
+    """The newest registered life of ``process`` (None if none registered)."""
+    from jaxft.worker import kv  # (kv imports this module)
+
+    value = kv.try_get(f"{PREFIX}{process}", client)
+    if not value:
+        return None
+    try:
+        r = json.loads(value)
+        return Life(process, int(r["incarnation"]), str(r["nonce"]), r.get("launch"))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def over(life: Life | None, incarnation: int, state_dir: str | None = None) -> str | None:
+    """Why the life ``incarnation`` of ``life.process`` is over (``life``: what
+    :func:`current` read), or None when nothing here says so."""
+    if life is None:
+        return None
+    if life.incarnation != incarnation:
+        return f"process {life.process} restarted (a new life registered; the one in this member map is over)"
+    if state_dir and life.launch is not None and protocol.death_recorded(state_dir, life.process, life.launch):
+        return f"the launcher recorded process {life.process}'s exit"
+    return None

@@ -1,0 +1,405 @@
+"""``jaxft.initialize``: multi-controller JAX set up to survive process failures."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import shlex
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from jaxft import _compat, protocol
+from jaxft import timeouts as timeouts_lib
+from jaxft.errors import ConfigError, InitializeError, TimeoutsError
+from jaxft.events import EventLog
+from jaxft.faults import FaultInjector, FaultRule
+from jaxft.net import interface_problem, wait_reachable
+from jaxft.protocol import EXIT_CONFIG_ERROR, Event
+from jaxft.timeouts import Timeouts
+from jaxft.worker import breaker, cluster, stopping
+
+# From the JAX fault-tolerance guide: NCCL errors must not terminate the process, and
+# collectives must be abortable when a participant dies (GPU only; ignored on CPU).
+GPU_XLA_FLAGS = {
+    "xla_gpu_nccl_terminate_on_error": "false",
+    "xla_gpu_nccl_async_execution": "true",
+    "xla_gpu_nccl_blocking_communicators": "false",
+}
+GPU_ENV = {
+    "XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE": "1",
+    "XLA_PYTHON_CLIENT_USE_TFRT_GPU_CLIENT": "1",
+}
+CPU_COLLECTIVE_TIMEOUT_FLAG = "xla_cpu_collective_timeout_seconds"
+
+
+logger = logging.getLogger(__name__)
+
+_LOCAL_COORDINATOR = None  # the private service of a single-process run
+
+
+@dataclasses.dataclass
+class Runtime:
+    """What a worker knows about itself after :func:`initialize`."""
+
+    process_id: int
+    num_processes: int
+    incarnation: int
+    coordinator_address: str
+    external_coordinator: bool
+    heartbeat_timeout: int
+    collective_timeout: int
+    run_dir: str | None
+    events: EventLog
+    faults: FaultInjector
+    timeouts: Timeouts = dataclasses.field(default_factory=Timeouts)
+    source: str = "explicit"  # where the settings came from: see jaxft.worker.cluster.SOURCES
+
+
+def merge_xla_flags(existing: str, wanted: dict[str, str]) -> str:
+    """Add ``--name=value`` for each wanted flag the user has not set already.
+
+    The user's own settings win: a flag already present in ``existing`` is kept as is.
+    """
+    tokens = shlex.split(existing or "")
+    present = {t.lstrip("-").split("=", 1)[0] for t in tokens if t.startswith("--")}
+    added = [f"--{k}={v}" for k, v in wanted.items() if k not in present]
+    return " ".join(filter(None, [(existing or "").strip(), *added]))  # the user's text verbatim
+
+
+def configure_environment(collective_timeout: int, environ=os.environ) -> None:
+    """Set XLA flags and env vars for recoverable collectives (before the backend starts)."""
+    wanted = dict(GPU_XLA_FLAGS)
+    wanted[CPU_COLLECTIVE_TIMEOUT_FLAG] = str(int(collective_timeout))
+    environ["XLA_FLAGS"] = merge_xla_flags(environ.get("XLA_FLAGS", ""), wanted)
+    for key, value in GPU_ENV.items():
+        environ.setdefault(key, value)
+
+
+def initialize(coordinator_address: str | None = None,
+               num_processes: int | None = None,
+               process_id: int | None = None,
+               local_device_ids: Sequence[int] | None = None,
+               *,
+               external_coordinator: bool | None = None,
+               heartbeat_timeout: int | None = None,
+               collective_timeout: int | None = None,
+               initialization_timeout: int | None = None,
+               run_dir: str | None = None,
+               timeouts: Timeouts | None = None,
+               gloo_interface: str | None = None,
+               wait_until_forgotten: bool = True,
+               compilation_cache: str | bool | None = None,
+               environ=os.environ) -> Runtime:
+    """Initialize multi-controller JAX so that processes can fail and come back.
+
+    Wraps ``jax.distributed.initialize``: turns on ``jax_enable_recoverability``, merges
+    the GPU NCCL-abort flags and the CPU collective timeout into ``XLA_FLAGS`` (flags the
+    user already set win), sets the GPU abort env vars, and connects to the coordination
+    service with a short heartbeat so dead peers are noticed in seconds.
+
+    Arguments left as None are read from the environment ``jaxft launch`` sets
+    (``JAXFT_COORDINATOR_ADDRESS``, ``JAXFT_PROCESS_ID``, ``JAXFT_TIMEOUTS``, ...), then from
+    ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` /
+    ``JAX_LOCAL_DEVICE_IDS``, then from the cluster jax detects (SLURM, Open MPI,
+    Kubernetes, Cloud TPU); :attr:`Runtime.source` says which. An environment that half
+    describes a cluster is an :class:`InitializeError`, never a silent single-process run.
+    In a cluster without an external coordinator, process 0 hosts the service as in plain
+    JAX (its death then ends the job; run ``jaxft coordinator`` as its own job step and set
+    ``JAXFT_COORDINATOR_ADDRESS`` to avoid that).
+
+    ``gloo_interface`` (or ``JAXFT_GLOO_INTERFACE``) names the network interface CPU
+    collectives use; needed where this host's name resolves to loopback.
+    ``timeouts`` sets every bound at once (:class:`~jaxft.Timeouts`); the
+    ``*_timeout`` arguments override its fields. The result becomes this process's
+    settings (:func:`jaxft.timeouts.current`), read by every later wait.
+
+    With ``external_coordinator=True`` (what ``jaxft launch`` and ``jaxft coordinator``
+    provide) no worker starts the service, so any worker, process 0 included, can die
+    without taking the others with it. With ``external_coordinator=False`` it behaves
+    like plain ``jax.distributed.initialize``: process 0 hosts the service, and its death
+    ends the job.
+
+    Called with nothing set (no arguments, no launcher environment, no cluster) it runs as
+    a single process with a private coordination service, so the same program works
+    without ``jaxft launch``.
+
+    With ``wait_until_forgotten`` (default; what ready admission, the default of
+    ``ElasticLoop`` and ``ElasticTrainer``, needs), a restarted process connects only once the
+    service has declared its previous incarnation dead, so the survivors never wait for its
+    set-up (``jaxft launch`` says when it died; without that, no wait). ``False`` connects at
+    once: for ``ElasticGroup(admission="connect")``, where the members wait for a restarted
+    process anyway.
+
+    ``compilation_cache``: a directory for jax's persistent compilation cache shared by the
+    run's processes (a joiner, a restarted process and survivors returning to a width they
+    ran before load executables instead of compiling them; measured to serve CPU
+    executables on jax 0.10.2); None (default) uses ``<run_dir>/xla_cache`` when there is
+    a run directory and the user set no cache of their own; False turns it off.
+
+    Must be called before anything starts a JAX backend (``jax.devices()``, any
+    computation): XLA reads its flags only once.
+
+    Returns:
+      A :class:`Runtime` with this worker's identity, event log and fault injector.
+    """
+    import jax
+
+    if _compat.backend_started():
+        raise InitializeError(
+            "jaxft.initialize() must run before JAX starts its backend, but a backend is "
+            "already up (something called jax.devices() or ran a computation first). "
+            "Call jaxft.initialize() at the top of your program, before any other JAX use.")
+    if _compat.distributed_client_or_none() is not None:
+        raise InitializeError("jax.distributed is already initialized; call jaxft.initialize() once, "
+                              "instead of jax.distributed.initialize().")
+
+    try:
+        base = timeouts if timeouts is not None else Timeouts.from_env(environ)
+        timeouts = base.replace(heartbeat=heartbeat_timeout, collective=collective_timeout,
+                                initialization=initialization_timeout)
+    except TimeoutsError as e:
+        raise InitializeError(str(e)) from None
+    heartbeat_timeout, collective_timeout = int(timeouts.heartbeat), int(timeouts.collective)
+    initialization_timeout = timeouts.initialization
+    run_dir = run_dir or environ.get(protocol.RUN_DIR) or None
+    incarnation = cluster.parse_env(environ.get(protocol.INCARNATION), protocol.INCARNATION, int) or 0
+    place = cluster.resolve(coordinator_address, num_processes, process_id, local_device_ids,
+                            external_coordinator, initialization_timeout, environ)
+    num_processes, process_id, local_device_ids = place.num_processes, place.process_id, place.local_device_ids
+    coordinator_address, external_coordinator = place.coordinator_address, place.external_coordinator
+    if place.single_process:
+        # Plain single-process run (no launcher, no cluster): host a private one-process
+        # service so the same elastic code runs unchanged.
+        global _LOCAL_COORDINATOR
+        from jaxft.coordinator import Coordinator
+
+        _LOCAL_COORDINATOR = Coordinator(1, heartbeat_timeout=heartbeat_timeout)
+        coordinator_address = _LOCAL_COORDINATOR.address
+    host, _, port = coordinator_address.rpartition(":")
+    if not host or not port.isdigit():
+        raise InitializeError(f"coordinator address {coordinator_address!r} is not host:port")
+    if num_processes < 1:
+        raise InitializeError(f"num_processes must be >= 1, got {num_processes}")
+    if not 0 <= process_id < num_processes:
+        raise InitializeError(f"process_id must be in [0, {num_processes}), got {process_id}")
+
+    gloo_interface = gloo_interface or environ.get(protocol.GLOO_INTERFACE) or None
+    gloo_hostname = environ.get(protocol.GLOO_HOSTNAME) or None
+    if gloo_interface is None and gloo_hostname is None:
+        cluster.check_gloo_reachable(coordinator_address, num_processes, environ)
+    elif gloo_interface is not None and (problem := interface_problem(gloo_interface)):
+        raise InitializeError(f"gloo_interface: {problem}")
+
+    configure_environment(collective_timeout, environ)
+    _configure_compilation_cache(compilation_cache, run_dir, environ)
+    jax.config.update("jax_enable_recoverability", True)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # A peer that dies while the CPU backends exchange topologies would otherwise leave
+    # the others waiting 2 + 5 minutes; bound both by Timeouts.topology (minutes are the unit).
+    topology_minutes = max(1, math.ceil(timeouts.topology / 60))
+    jax.config.update("jax_cpu_get_local_topology_timeout_minutes", max(1, topology_minutes // 2))
+    jax.config.update("jax_cpu_get_global_topology_timeout_minutes", topology_minutes)
+
+    kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
+                  process_id=process_id, heartbeat_timeout_seconds=int(heartbeat_timeout),
+                  initialization_timeout=max(1, int(initialization_timeout)))
+    if local_device_ids is not None:
+        kwargs["local_device_ids"] = list(local_device_ids)
+    if external_coordinator or process_id != 0:
+        # jax's client aborts the whole process (SIGABRT) when registration times out; find an
+        # unreachable coordinator ourselves and say so.
+        _wait_reachable(coordinator_address, initialization_timeout, process_id)
+    if gloo_interface is not None or gloo_hostname is not None:
+        _compat.use_gloo_address(interface=gloo_interface, hostname=gloo_hostname)
+    waited = 0.0
+    if wait_until_forgotten and protocol.peers_may_run(environ) is not False:  # False: no member to hold up
+        waited = _wait_until_forgotten(environ.get(protocol.DIED_AT), heartbeat_timeout, process_id)
+    guard = _compat.no_service_start() if external_coordinator else contextlib.nullcontext()
+    try:
+        with guard:
+            jax.distributed.initialize(**kwargs)
+    except Exception as e:  # jax raises XlaRuntimeError / ValueError with terse texts
+        raise InitializeError(
+            f"could not connect process {process_id} to the coordination service at "
+            f"{coordinator_address} within {timeouts.describe('initialization')}: {e}") from e
+
+    breaker.protect(coordinator_address)  # the data-plane breaker never touches the service's connections
+    # its launcher may retire this life in the service once it dies (jaxft.supervisor.retire)
+    protocol.mark_life(protocol.CONNECTED, "this life's connection (its death is then noticed by heartbeat only)")
+    if external_coordinator:
+        _clear_stale_topology(process_id)
+    elif num_processes > 1 and process_id == 0:  # it hosts the service: it must leave last
+        atexit.register(_outlive_peers(num_processes, timeouts))
+    elif num_processes > 1:
+        atexit.register(_announce_leaving, process_id)
+    events = EventLog(run_dir, process_id, incarnation)
+    events.log(Event.INITIALIZED, source=place.source, forget_wait_s=round(waited, 3))
+    faults = FaultInjector.from_env(process_id, on_fire=_fault_logger(events), environ=environ)
+    timeouts_lib.set_current(timeouts)
+    _install_stop_handlers()
+    return Runtime(process_id=process_id, num_processes=num_processes, incarnation=incarnation,
+                   coordinator_address=coordinator_address,
+                   external_coordinator=bool(external_coordinator),
+                   heartbeat_timeout=int(heartbeat_timeout),
+                   collective_timeout=int(collective_timeout), run_dir=run_dir,
+                   events=events, faults=faults, timeouts=timeouts, source=place.source)
+
+
+def _install_stop_handlers() -> None:
+    """SIGTERM ends the worker (exit 143) instead of JAX's preemption notice, which only
+    records it, so a launcher's clean stop does not wait for its SIGKILL; an uncaught
+    :class:`~jaxft.errors.ConfigError` ends it with one line and :data:`EXIT_CONFIG_ERROR`."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    if not getattr(sys.excepthook, "_jaxft", False):
+        previous = sys.excepthook
+
+        def hook(exc_type, exc, tb):
+            if issubclass(exc_type, ConfigError):
+                sys.stderr.write(f"jaxft: configuration error ({exc_type.__name__}): {exc}\n")
+                sys.stderr.flush()
+                sys.stdout.flush()
+                os._exit(EXIT_CONFIG_ERROR)
+            previous(exc_type, exc, tb)
+
+        hook._jaxft = True  # type: ignore[attr-defined]
+        sys.excepthook = hook
+
+
+def _on_sigterm(signum, _frame) -> None:
+    if stopping.wanted():  # save a last checkpoint at an agreed step first (jaxft.worker.stopping)
+        stopping.request()
+        return
+    raise SystemExit(128 + signum)
+
+
+LEAVING_PREFIX = "jaxft/leaving/"
+
+
+def _announce_leaving(process_id: int) -> None:
+    """At exit of a peer of a process 0 that hosts the service (atexit runs this before jax's
+    own shutdown, registered at its import): tell process 0 this process is about to disconnect."""
+    client = _compat.distributed_client_or_none()
+    if client is not None:
+        try:
+            client.key_value_set(f"{LEAVING_PREFIX}{process_id}", "1", allow_overwrite=True)
+        except Exception:  # noqa: BLE001 - the service is already gone: nothing to wait for
+            pass
+
+
+def _outlive_peers(num_processes: int, timeouts: Timeouts) -> Callable[[], None]:
+    """For a process 0 that hosts the service: an atexit hook that keeps it (and the service)
+    alive until every other process has disconnected, bounded by ``Timeouts.shutdown``. A
+    peer whose service is gone aborts (SIGABRT) in its own ``ShutdownTask``, and a recoverable
+    service has no shutdown barrier of its own.
+
+    The wait runs in a thread started now, not at exit: Python 3.12 refuses to start a thread
+    once the interpreter is finalizing ("can't create new thread at interpreter shutdown"),
+    which had left process 0 not waiting at all there. The peers first announce that they are
+    leaving (their own atexit hook), so process 0's liveness query cannot pair with a peer
+    that is still training; then ``get_live_nodes`` over every process returns once each peer
+    has disconnected (it waits for the live ones, and a peer in shutdown never queries)."""
+    client = _compat.distributed_client_or_none()
+    exiting = threading.Event()
+
+    def wait() -> None:
+        exiting.wait()
+        if client is None:
+            return
+        deadline = time.monotonic() + timeouts.shutdown
+        others, left = {str(p) for p in range(1, num_processes)}, set()
+        while time.monotonic() < deadline:
+            try:
+                left = {k.rstrip("/").rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(LEAVING_PREFIX)}
+            except Exception:  # noqa: BLE001 - the service or this client is already gone
+                return
+            if others <= left:
+                break
+            time.sleep(0.02)
+        else:
+            logger.debug("process(es) %s did not announce their exit within %.1f s",
+                         sorted(others - left, key=int), timeouts.shutdown)
+            return
+        try:
+            client.get_live_nodes(list(range(num_processes)))
+        except Exception:  # noqa: BLE001 - the service or this client is already gone
+            pass
+
+    waiter = threading.Thread(target=wait, name="jaxft-outlive-peers", daemon=True)
+    waiter.start()
+
+    def at_exit() -> None:
+        exiting.set()
+        waiter.join(timeouts.shutdown)
+
+    return at_exit
+
+
+def _clear_stale_topology(process_id: int) -> None:
+    """Process 0's CPU backend writes the global topology once; a restarted process 0 would
+    fail with ALREADY_EXISTS on the old incarnation's copy (the topology cannot change)."""
+    if process_id == 0:
+        _compat.delete_global_topology_key(_compat.distributed_client())
+
+
+def _configure_compilation_cache(setting: str | bool | None, run_dir: str | None, environ) -> None:
+    """Point jax's persistent compilation cache at a directory the run's processes share."""
+    import jax
+
+    if setting is False or (setting is None and (not run_dir or environ.get("JAX_COMPILATION_CACHE_DIR")
+                                                 or jax.config.jax_compilation_cache_dir)):
+        return
+    path = setting if isinstance(setting, str) else os.path.join(run_dir, "xla_cache")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # small CPU steps too
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _compat.share_cpu_cache_entries()  # else only process 0 ever finds a multi-process entry
+    _compat.cache_local_executables()  # else only process 0 ever finds one of its own programs
+
+
+def _wait_until_forgotten(died_at: str | None, heartbeat_timeout: float, process_id: int) -> float:
+    """A restarted process connects only once the service has declared its previous life
+    dead; returns the seconds it waited.
+
+    A new incarnation that registers earlier replaces the dead one while the survivors still
+    count it, so their ``live_devices`` barrier waits for it (through all of its set-up)
+    instead of going on without it. The service notices a death within the heartbeat
+    timeout and checks once a second; ``jaxft launch`` hands down when the previous life
+    ended (and says when no member runs: then there is nobody to hold up, no wait).
+    """
+    if not died_at:
+        return 0.0
+    try:
+        wait = float(died_at) + heartbeat_timeout + 1.5 - time.time()
+    except ValueError:
+        return 0.0
+    if wait <= 0:
+        return 0.0
+    wait = min(wait, heartbeat_timeout + 1.5)
+    logger.info("process %d: waiting %.1f s for the service to forget its previous incarnation", process_id, wait)
+    time.sleep(wait)
+    return wait
+
+
+def _wait_reachable(address: str, timeout: float, process_id: int) -> None:
+    """Return once a TCP connection to ``address`` succeeds; InitializeError after ``timeout``."""
+    why = wait_reachable(address, timeout)
+    if why is not None:
+        raise InitializeError(f"could not connect process {process_id} to the coordination service at "
+                              f"{address} within {timeout:g} s ({why}); is the coordinator "
+                              "(jaxft launch / jaxft coordinator) running?")
+
+
+def _fault_logger(events: EventLog):
+    def on_fire(rule: FaultRule, step: int) -> None:
+        events.log(Event.FAULT, action=rule.action, step=step, phase=rule.phase, spec=rule.spec)
+
+    return on_fire

@@ -1,0 +1,97 @@
+"""Compile the likely next step programs in the background, before a failure needs them.
+
+When a member dies, the survivors retry the step on a smaller mesh, whose program must be
+compiled (or loaded from the persistent cache) first: on CPU that was most of what a
+failure cost them (0.6-1.8 s with four processes on two cores, 3.5 s for a width never
+seen). The likely next meshes are known in advance: the current members less any one of
+them (then those less a member and its successor, see :func:`shrinks`).
+:class:`Warmer` lowers and compiles the step for each of those in one daemon thread of
+process 0 after the members change. jax writes persistent-cache entries from process 0
+only, and process 0 can compile for devices it does not hold, so every entry one failure
+away is on disk before the failure: the survivors load the executable (~0.1-0.3 s) instead
+of compiling it, and process 0, if it survives, finds it in memory (a jitted function called
+with the arguments it was lowered for reuses the ahead-of-time compile). Only process 0
+does the work: when every member compiled its own candidates, four processes on two cores
+slowed the steps after each change by more than the retries saved (measured, see docs/design.md).
+
+Safety: the thread never runs while the backend is rebuilt (:meth:`Warmer.pause` takes its
+lock, waiting for at most the compile in progress), and work queued for an older backend is
+dropped. A failed warm-up is only logged: the step compiles as before when it needs to.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+logger = logging.getLogger(__name__)
+
+Job = Callable[[], None]  # lowers and compiles one program
+
+
+class Warmer:
+    """One daemon thread running compile jobs, one at a time, for the current backend."""
+
+    def __init__(self, on_done: Callable[[object, float], None] | None = None) -> None:
+        self._lock = threading.Lock()  # held while a job runs, and while the backend is rebuilt
+        self._queue: queue.Queue[tuple[int, object, Job]] = queue.Queue()
+        self._epoch = 0  # bumped at every backend rebuild: older jobs are dropped
+        self._queued: set[object] = set()
+        self.on_done = on_done  # called in the worker thread after each job
+        threading.Thread(target=self._run, daemon=True, name="jaxft-warmup").start()
+
+    def submit(self, key: object, job: Job) -> None:
+        """Run ``job`` in the background unless ``key`` was queued since the last rebuild."""
+        if key in self._queued:  # called from the step loop's thread only, like pause()
+            return
+        self._queued.add(key)
+        self._queue.put((self._epoch, key, job))
+
+    def pause(self) -> None:
+        """Before a backend rebuild: drop the queued jobs (they were for the old backend), then
+        wait for the job in progress, if any; no job runs until :meth:`resume`."""
+        self._epoch += 1  # first: the worker drops every queued job from now on
+        self._queued.clear()
+        self._lock.acquire()
+
+    def resume(self) -> None:
+        """After the rebuild: jobs submitted from now on run."""
+        self._lock.release()
+
+    def _run(self) -> None:
+        while True:
+            epoch, key, job = self._queue.get()
+            with self._lock:
+                if epoch != self._epoch:
+                    continue
+                t0 = time.monotonic()
+                try:
+                    job()
+                except Exception as e:  # noqa: BLE001 - the step compiles itself when needed
+                    logger.info("background compile of %s failed: %s", key, str(e).splitlines()[0][:200])
+                    continue
+                seconds = time.monotonic() - t0
+                logger.info("compiled %s in the background in %.2f s", key, seconds)
+                if self.on_done is not None:
+                    self.on_done(key, seconds)
+
+
+def shrinks(members: Sequence[int], min_members: int = 1) -> list[tuple[int, ...]]:
+    """The member sets a failure away from ``members``: less one process (the highest first),
+    then less a process and its successor too (cyclically: when a member dies inside gloo's
+    ring all-reduce, its successor is the survivor gloo may leave in a pending send or abort,
+    see :mod:`jaxft.worker.runner`); none below ``min_members``. The single failures come first: since
+    a member left in a doomed step's program leaves the program instead of the run
+    (:mod:`jaxft.worker.runner`), the retry after a kill is almost always the set less the dead one."""
+    members = sorted(members)
+    n = len(members)
+    if n - 1 < max(1, min_members):
+        return []
+    singles = [tuple(p for p in members if p != members[i]) for i in reversed(range(n))]
+    if n - 2 < max(1, min_members):
+        return singles
+    pairs = [tuple(p for p in members if p not in {members[i], members[(i + 1) % n]}) for i in reversed(range(n))]
+    return singles + pairs
