@@ -75,7 +75,8 @@ def main(_):
         from jaxft.worker import checkpoint  # noqa: F401 - Orbax imports slowly
     train, test = load()
     model = make_model()
-    rt = jaxft.initialize(wait_until_forgotten=FLAGS.admission == "ready")  # before any JAX computation
+    # before any JAX computation
+    rt = jaxft.initialize(options=jaxft.InitOptions(wait_until_forgotten=FLAGS.admission == "ready"))
     import jax
 
     # host copies: a jax array kept alive across a rejoin's CPU backend rebuild keeps the old one's memory
@@ -90,8 +91,9 @@ def main(_):
     if FLAGS.checkpoint_every:
         from jaxft.worker.checkpoint import resolve_directory
 
-        ckpt = jaxft.ElasticCheckpointer(resolve_directory(FLAGS.checkpoint_dir), every=FLAGS.checkpoint_every,
-                                         runtime=rt, data=data, metadata={"model": "flax_digits_cnn"})
+        ckpt = jaxft.ElasticCheckpointer(resolve_directory(FLAGS.checkpoint_dir), runtime=rt, data=data,
+                                         options=jaxft.CheckpointOptions(every=FLAGS.checkpoint_every,
+                                                                         metadata={"model": "flax_digits_cnn"}))
 
     printed = [-1, None]  # (the step of the last line printed, of the last commit)
 
@@ -106,11 +108,11 @@ def main(_):
             time.sleep(FLAGS.step_sleep * max(steps, 1))
         printed[1] = record.step
 
+    options = jaxft.LoopOptions(check_every=FLAGS.check_every, precompile=FLAGS.precompile, pipeline=FLAGS.pipeline,
+                                commit_every=FLAGS.commit_every, admission=FLAGS.admission)
     trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params, data, runtime=rt,
-                                   micro_batch=FLAGS.micro_batch or None,
-                                   check_every=FLAGS.check_every, on_commit=on_commit,
-                                   group=jaxft.ElasticGroup(admission=FLAGS.admission), precompile=FLAGS.precompile,
-                                   pipeline=FLAGS.pipeline, commit_every=FLAGS.commit_every)
+                                   on_commit=on_commit, options=options,
+                                   reduction=jaxft.Reduction(micro_batch=FLAGS.micro_batch or None))
     if ckpt is not None and (restored := ckpt.restore(trainer)) is not None:
         print(f"restored step {restored.step} from {restored.path}", flush=True)
     state = trainer.run(FLAGS.steps)

@@ -82,7 +82,8 @@ def main(_):
                   f"members {list(record.members)}", flush=True)
 
     data = jaxft.GlobalBatches(data_arrays, G, seed=FLAGS.seed)
-    loop = jaxft.ElasticLoop(train_step, state, data, runtime=rt, on_commit=on_commit, check_every=10)
+    loop = jaxft.ElasticLoop(train_step, state, data, runtime=rt, on_commit=on_commit,
+                             options=jaxft.LoopOptions(check_every=10))
     state = loop.run(FLAGS.steps)  # logs `final` with the sha256 of state.params
     if FLAGS.final_params:
         os.makedirs(FLAGS.final_params, exist_ok=True)

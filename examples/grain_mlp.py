@@ -75,8 +75,8 @@ def main(_):
         if record.step % 5 == 0 or record.step == FLAGS.steps - 1:
             print(f"step {record.step:3d} loss {record.loss:.5f} members {list(record.members)}", flush=True)
 
-    trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(1e-2), params, data, runtime=rt, check_every=10,
-                                   on_commit=on_commit)
+    trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(1e-2), params, data, runtime=rt, on_commit=on_commit,
+                                   options=jaxft.LoopOptions(check_every=10))
     state = trainer.run(FLAGS.steps)
     if FLAGS.final_params:
         os.makedirs(FLAGS.final_params, exist_ok=True)

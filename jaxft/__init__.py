@@ -41,26 +41,45 @@ from jaxft.timeouts import Timeouts
 from jaxft.types import PyTree
 
 if TYPE_CHECKING:  # the lazy names below, for type checkers and IDEs
-    from jaxft.supervisor.launcher import LaunchConfig, Launcher
+    from jaxft.supervisor.launch_config import LaunchConfig, Output, Service, Shutdown, Topology
+    from jaxft.supervisor.launcher import Launcher
+    from jaxft.supervisor.restarts import RestartPolicy
     from jaxft.worker.checkpoint import CheckpointStore, ElasticCheckpointer, Restored
     from jaxft.worker.data import GlobalBatches, Layout, shard_batch
     from jaxft.worker.grain_source import GrainBatches
     from jaxft.worker.loop import ElasticLoop, StepRecord
-    from jaxft.worker.membership import ElasticGroup, Members
+    from jaxft.worker.members import Members
+    from jaxft.worker.membership import ElasticGroup
+    from jaxft.worker.options import (
+        Batching,
+        CheckpointOptions,
+        InitOptions,
+        LoopOptions,
+        MeshStep,
+        Reduction,
+        RetryPolicy,
+    )
     from jaxft.worker.rejoin import Rehydration
     from jaxft.worker.runtime import Runtime, initialize
-    from jaxft.worker.trainer import ElasticTrainer, TrainState, make_train_step
+    from jaxft.worker.train_step import make_train_step
+    from jaxft.worker.trainer import ElasticTrainer, TrainState
     from jaxft.worker.transfer import broadcast_tree, check_consistent, save_tree, tree_norm, tree_sha256
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "jaxft.supervisor.launcher": ("LaunchConfig", "Launcher"),
+    "jaxft.supervisor.launcher": ("Launcher",),
+    "jaxft.supervisor.launch_config": ("LaunchConfig", "Output", "Service", "Shutdown", "Topology"),
+    "jaxft.supervisor.restarts": ("RestartPolicy",),
     "jaxft.worker.runtime": ("Runtime", "initialize"),
     "jaxft.worker.data": ("GlobalBatches", "Layout", "shard_batch"),
-    "jaxft.worker.membership": ("ElasticGroup", "Members"),
+    "jaxft.worker.membership": ("ElasticGroup",),
+    "jaxft.worker.members": ("Members",),
+    "jaxft.worker.options": ("Batching", "CheckpointOptions", "InitOptions", "LoopOptions", "MeshStep", "Reduction",
+                             "RetryPolicy"),
     "jaxft.worker.rejoin": ("Rehydration",),
-    "jaxft.worker.trainer": ("ElasticTrainer", "TrainState", "make_train_step"),
+    "jaxft.worker.trainer": ("ElasticTrainer", "TrainState"),
+    "jaxft.worker.train_step": ("make_train_step",),
     "jaxft.worker.loop": ("ElasticLoop", "StepRecord"),
     "jaxft.worker.grain_source": ("GrainBatches",),
     "jaxft.worker.transfer": ("broadcast_tree", "check_consistent", "save_tree", "tree_norm", "tree_sha256"),

@@ -6,12 +6,16 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from jaxft import bench
 from jaxft.coordinator import DEFAULT_HEARTBEAT_TIMEOUT, Coordinator, serve_forever
 from jaxft.errors import Error, LaunchError
 from jaxft.supervisor import crashloop, report
-from jaxft.supervisor.launcher import RESTART_POLICIES, LaunchConfig, Launcher, detect_gpus
+from jaxft.supervisor.launch_config import LaunchConfig, Output, Service, Shutdown, Topology
+from jaxft.supervisor.launcher import Launcher
+from jaxft.supervisor.procs import detect_gpus
+from jaxft.supervisor.restarts import RESTART_POLICIES, RestartPolicy
 from jaxft.timeouts import Timeouts
 
 
@@ -100,7 +104,7 @@ def _add_coordinator(sub) -> None:
 class _Parser(argparse.ArgumentParser):
     """argparse, with a bad argument reported in one line (no usage block) and exit 2."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -121,6 +125,25 @@ def _launch(args, parser) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
+    n, gpus, extra_env = _workers(args)
+    config = LaunchConfig(
+        command=command,
+        topology=Topology(n, nnodes=args.nnodes, node_rank=args.node_rank, gpus=gpus,
+                          gloo_interface=args.gloo_interface,
+                          service=Service(args.coordinator, host=args.host_coordinator, port=args.port,
+                                          bind=args.bind)),
+        restart=RestartPolicy(args.restart, max_restarts=args.max_restarts, delay_s=args.restart_delay,
+                              max_setup_crashes=args.max_setup_crashes, nice_restarts=args.nice_restarts),
+        shutdown=Shutdown(args.grace, checkpoint_on_stop=args.checkpoint_on_stop),
+        output=Output(args.run_dir, console="raw" if args.verbose else args.console,
+                      progress_every=args.progress_every),
+        faults=tuple(args.fault), timeouts=_timeouts(args), extra_env=extra_env)
+    return Launcher(config).run()
+
+
+def _workers(args) -> tuple[int, list[int] | None, dict[str, str]]:
+    """How many workers on this node, their GPUs (None: no GPU assignment), and what their
+    environment must add for it."""
     gpus = args.gpus
     extra_env = {}
     if gpus == "none" and "JAX_PLATFORMS" not in os.environ:
@@ -146,19 +169,16 @@ def _launch(args, parser) -> int:
                           "jaxft runs one worker per GPU; lower -n, or pass --gpus none to run on CPU")
     elif gpus is not None:
         gpus = gpus[:n]
-    config = LaunchConfig(num_processes=n, command=command, restart=args.restart,
-                          max_restarts=args.max_restarts, max_setup_crashes=args.max_setup_crashes,
-                          faults=args.fault, run_dir=args.run_dir,
-                          heartbeat_timeout=args.heartbeat_timeout,
-                          collective_timeout=args.collective_timeout, port=args.port, bind=args.bind,
-                          gpus=gpus, grace_s=args.grace,
-                          restart_delay_s=args.restart_delay, timeouts=args.timeout, nnodes=args.nnodes,
-                          node_rank=args.node_rank, coordinator=args.coordinator,
-                          host_coordinator=args.host_coordinator, gloo_interface=args.gloo_interface,
-                          console="raw" if args.verbose else args.console, progress_every=args.progress_every,
-                          checkpoint_on_stop=args.checkpoint_on_stop, nice_restarts=args.nice_restarts,
-                          extra_env=extra_env)
-    return Launcher(config).run()
+    return n, gpus, extra_env
+
+
+def _timeouts(args) -> tuple[str, ...]:
+    """The workers' ``NAME=SECONDS`` settings: ``--timeout``'s, then the two shortcut flags
+    ``--heartbeat-timeout`` / ``--collective-timeout`` (which win)."""
+    shortcuts = {"heartbeat": args.heartbeat_timeout, "collective": args.collective_timeout}
+    if any(v is not None and v < 1 for v in shortcuts.values()):
+        raise LaunchError("--heartbeat-timeout and --collective-timeout must be >= 1 second")
+    return (*args.timeout, *(f"{name}={v}" for name, v in shortcuts.items() if v is not None))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,7 @@ name them without loading jax.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 
 class Error(Exception):
@@ -56,7 +56,7 @@ class BarrierAbandoned(Error, RuntimeError):
 class StepFailed(Error, RuntimeError):
     """A step failed on every member because processes died or restarted during it."""
 
-    def __init__(self, failed: Sequence[int], cause: BaseException | None):
+    def __init__(self, failed: Iterable[int], cause: BaseException | None):
         self.failed = tuple(sorted(set(failed)))
         self.cause = cause
         why = f"{type(cause).__name__}: {str(cause).splitlines()[0][:200]}" if cause else "membership changed"

@@ -253,6 +253,8 @@ class FaultInjector:
         return True
 
     def _matches(self, rule: FaultRule, step: int) -> bool:
+        if rule.step is None:  # a launcher-side rule (after=), never a step's
+            return False
         if rule.width is not None:
             return step >= rule.step and self.width == rule.width
         return step >= rule.step if rule.phase in FROM_STEP_PHASES else step == rule.step

@@ -5,9 +5,8 @@ Both sides of it live here (it is part of the launcher-worker contract, with
 
 While a restarted process imports, connects and builds its model, the survivors train on
 without it (ready admission); on a machine whose cores the workers share, its set-up used
-to slow their steps (seen: width-3 steps at 0.16-0.25 s instead of 0.13 s for the 3-6 s a
-joiner took, with four workers on two cores; the gain of the nice value alone was not
-measured). The launcher starts a *restarted* worker niced (:func:`lowered_nice`); the
+to slow their steps for as long as it took (measured: docs/benchmarks.md, 'Figures behind
+the code'). The launcher starts a *restarted* worker niced (:func:`lowered_nice`); the
 worker restores the launcher's priority for every one of its threads as it joins the step
 (:func:`restore`), so it never trains niced. Off by default (`jaxft launch --nice-restarts N`):
 with it, the test suite ran slower and one connect-admission test failed once, a restarted

@@ -47,8 +47,8 @@ N=${N:-4}
 STEPS=${STEPS:-400}
 ADMISSION=${ADMISSION:-ready}
 PRECOMPILE=${PRECOMPILE:-0}  # N: process 0 compiles the one-failure meshes ahead (see docs/design.md)
-PIPELINE=${PIPELINE:-0}  # 1: ElasticTrainer(pipeline=True) (see docs/design.md)
-COMMIT_EVERY=${COMMIT_EVERY:-1}  # N: ElasticTrainer(commit_every=N) (see docs/design.md)
+PIPELINE=${PIPELINE:-0}  # 1: jaxft.LoopOptions(pipeline=True) (see docs/design.md)
+COMMIT_EVERY=${COMMIT_EVERY:-1}  # N: jaxft.LoopOptions(commit_every=N) (see docs/design.md)
 RUN_DIR=${RUN_DIR:-runs/launch_local-$(date +%Y%m%d-%H%M%S)}
 LAST=$((N - 1))
 

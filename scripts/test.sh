@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run jaxft's tests: the whole suite on Python 3.11 (.venv), then the `smoke` subset on
+# Run jaxft's tests: ruff, the docs build (mkdocs --strict: the API reference from the
+# docstrings) and the whole suite on Python 3.11 (.venv), then the `smoke` subset on
 # Python 3.12 (.venv312, newest jax allowed by pyproject.toml) when a 3.12 interpreter exists.
 # Arguments are passed to the main pytest run, e.g. `scripts/test.sh -x -k launcher`.
 # Exits non-zero if either run fails (pytest's exit 5, "no tests collected", included).
@@ -20,15 +21,16 @@ pip_quiet() {
     rm -f "$out"
 }
 
-# setup_venv PYTHON DIR: create DIR with PYTHON if missing, then install jaxft and test deps.
+# setup_venv PYTHON DIR [EXTRAS]: create DIR with PYTHON if missing, then install jaxft with
+# EXTRAS (default: test).
 setup_venv() {
-    local python=$1 dir=$2
+    local python=$1 dir=$2 extras=${3:-test}
     if [ ! -x "$dir/bin/python" ]; then
         log "creating $dir with $python ($("$python" --version 2>&1))"
         "$python" -m venv "$dir" || return 1
     fi
-    log "installing -e '.[test]' into $dir"
-    pip_quiet "$dir" -e '.[test]'
+    log "installing -e '.[$extras]' into $dir"
+    pip_quiet "$dir" -e ".[$extras]"
 }
 
 # install_deps DIR: install jaxft's dependencies and test extras (read from pyproject.toml) into
@@ -78,7 +80,7 @@ if [ -n "$python312" ]; then
     setup312_pid=$!
 fi
 setup311_ok=0
-setup_venv "$python311" .venv && setup311_ok=1
+setup_venv "$python311" .venv test,docs && setup311_ok=1
 setup312_ok=0
 if [ -n "$python312" ]; then
     wait "$setup312_pid" || log "installing the dependencies into .venv312 failed; trying again"
@@ -88,6 +90,12 @@ fi
 if [ "$setup311_ok" = 1 ]; then
     log "ruff (lint, pyproject.toml's rules)"
     .venv/bin/python -m ruff check jaxft tests examples scripts || status=1
+    log "mypy (type check, pyproject.toml's settings)"
+    .venv/bin/python -m mypy || status=1
+    log "docs (mkdocs build --strict: the pages and the API reference from the docstrings)"
+    docs_site=$(mktemp -d)
+    .venv/bin/python -m mkdocs build --strict --site-dir "$docs_site" || status=1
+    rm -rf "$docs_site"
     log "full suite on $(.venv/bin/python --version 2>&1)"
     .venv/bin/python -m pytest --durations=25 "$@" || status=1
 else

@@ -181,8 +181,8 @@ import jaxft
 from jaxft.bench.mlp import init_params, loss_fn, make_dataset
 from jaxft.worker.data import shard_batch
 from jaxft.core import votes as votes_lib
-from jaxft.worker.loop import _votes_array, _with_votes
-from jaxft.worker.trainer import make_train_step
+from jaxft.worker.programs import votes_array, with_votes
+from jaxft.worker.train_step import make_train_step
 
 G = 96
 data = jaxft.GlobalBatches(make_dataset(1024), G, seed=0)
@@ -193,23 +193,23 @@ for reduction, chunks in (("allreduce", None), ("allreduce64", 8), ("exact", 8))
     params = jax.device_put(init_params(0, 16, 32), rep)
     state = {"params": params, "opt_state": jax.device_put(opt.init(params), rep)}
     batch, mask = shard_batch(data.batch(0), mesh, chunk=G // chunks if chunks else None)
-    votes = _votes_array(votes_lib.row(np.array([0, 1, 0, 1], np.int32), 0), mesh, "data")
+    votes = votes_array(votes_lib.row(np.array([0, 1, 0, 1], np.int32), 0), mesh, "data")
     if reduction != "exact":  # what ElasticTrainer runs: the votes in the step's own buffer
-        inner = make_train_step(loss_fn, opt, G, mesh, reduction, chunks, votes=True)
+        inner = make_train_step(loss_fn, opt, G, mesh, jaxft.Reduction(reduction, chunks=chunks), votes=True)
 
         def fn(state, batch, mask, votes):
             p, o, loss, agreed = inner(state["params"], state["opt_state"], batch, mask, votes)
             return {"params": p, "opt_state": o}, {"loss": loss}, agreed
 
         fn = jax.jit(fn, out_shardings=rep)
-    else:  # the votes summed beside the step (jaxft.worker.loop._with_votes)
-        inner = make_train_step(loss_fn, opt, G, mesh, reduction, chunks)
+    else:  # the votes summed beside the step (jaxft.worker.programs.with_votes)
+        inner = make_train_step(loss_fn, opt, G, mesh, jaxft.Reduction(reduction, chunks=chunks))
 
         def step(state, batch, mask):
             p, o, loss = inner(state["params"], state["opt_state"], batch, mask)
             return {"params": p, "opt_state": o}, {"loss": loss}
 
-        fn = _with_votes(jax.jit(step, out_shardings=rep), mesh)
+        fn = with_votes(jax.jit(step, out_shardings=rep), mesh)
     text = fn.lower(state, batch, mask, votes).compile().as_text()
     # each collective op with the number of arrays it moves (a tuple op: one gloo collective each)
     ops = [f"{op}/{1 if not shape.startswith('(') else shape.count('[')}" for shape, op in re.findall(
@@ -346,8 +346,8 @@ data = jaxft.GlobalBatches(mlp.make_dataset(64), 8, seed=0)
 params = mlp.init_params(0, 4, 8)
 print("group", jaxft.ElasticGroup().admission)
 print("trainer", jaxft.ElasticTrainer(mlp.loss_fn, optax.sgd(0.1), params, data, runtime=rt).group.admission)
-explicit = jaxft.ElasticGroup(admission="connect")
-print("explicit", jaxft.ElasticTrainer(mlp.loss_fn, optax.sgd(0.1), params, data, runtime=rt, group=explicit
+explicit = jaxft.LoopOptions(admission="connect")
+print("explicit", jaxft.ElasticTrainer(mlp.loss_fn, optax.sgd(0.1), params, data, runtime=rt, options=explicit
                                        ).group.admission)
 bare = jaxft.ElasticGroup()
 with bare.step() as m:

@@ -90,9 +90,10 @@ cases = {
                                     "JAXFT_PROCESS_ID": "0"}),
     "bad_timeouts_env": dict(coordinator_address="127.0.0.1:1", num_processes=2, process_id=1,
                              environ={"JAXFT_TIMEOUTS": "reset=soon"}),
-    "zero_heartbeat": dict(coordinator_address="127.0.0.1:1", num_processes=2, process_id=1, heartbeat_timeout=0),
+    "zero_heartbeat": dict(coordinator_address="127.0.0.1:1", num_processes=2, process_id=1,
+                           environ={"JAXFT_TIMEOUTS": "heartbeat=0"}),
     "bad_address": dict(coordinator_address="nohostport", num_processes=2, process_id=1,
-                        initialization_timeout=1),
+                        timeouts=jaxft.Timeouts(initialization=1)),
 }
 out = {}
 for name, kwargs in cases.items():

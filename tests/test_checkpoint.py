@@ -498,7 +498,8 @@ def test_single_process_round_trip_of_many_dtypes(tmp_path):
 @pytest.mark.smoke
 def test_orbax_private_names_still_exist():
     """jaxft.worker.checkpoint.orbax uses a few Orbax internals (pinned 0.12.x, listed in its
-    docstring); fail loudly if one moves or stops doing what the adapter relies on."""
+    docstring; jaxft.worker.checkpoint.managers builds on them); fail loudly if one moves or
+    stops doing what the adapter relies on."""
     out = _in_fresh_python(r"""
 import json, inspect, os, re, tempfile
 import numpy as np
@@ -509,6 +510,7 @@ from orbax.checkpoint._src.checkpointers import async_checkpointer
 from orbax.checkpoint._src.futures import future, synchronization
 from jax._src.lib import _jax
 from orbax.checkpoint._src.path import atomicity
+from jaxft.worker.checkpoint import managers
 from jaxft.worker.checkpoint import orbax as adapter
 from jaxft.errors import SaveAbandoned
 from jaxft.timeouts import Timeouts
@@ -540,8 +542,8 @@ os.makedirs(stock); os.makedirs(ours)
 m = ocp.CheckpointManager(stock, options=ocp.CheckpointManagerOptions(
     create=False, enable_async_checkpointing=False, save_root_metadata=False))
 m.save(1, args=ocp.args.Composite(state=ocp.args.PyTreeSave(item)), force=True); m.wait_until_finished(); m.close()
-m = adapter.sync_manager(ours, 0, keep=None)
-m.save(1, args=adapter.save_args(item), force=True); m.wait_until_finished(); m.close()
+m = managers.sync_manager(ours, 0, keep=None)
+m.save(1, args=managers.save_args(item), force=True); m.wait_until_finished(); m.close()
 m = ocp.CheckpointManager(ours, options=ocp.CheckpointManagerOptions(read_only=True, create=False))
 np_args = ocp.RestoreArgs(restore_type=np.ndarray)
 back = m.restore(1, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
@@ -556,8 +558,8 @@ keys = []
 def record(*, key, timeout_ms):
     keys.append(key)
 ad = os.path.join(root, "async"); os.makedirs(ad)
-m = adapter.save_manager(ad, [0], "pfx", keep=None, barrier=record, async_timeout_s=60, before_commit=None)
-m.save(1, args=adapter.save_args(item), force=True); m.wait_until_finished(); m.close()
+m = managers.save_manager(ad, [0], "pfx", keep=None, barrier=record, async_timeout_s=60, before_commit=None)
+m.save(1, args=managers.save_args(item), force=True); m.wait_until_finished(); m.close()
 b = adapter.SaveBarrier("ns", [0, 1], 0, None, timeouts=Timeouts())
 b._arriving("p_" + adapter.FINALIZE_KEY, 0)
 try:
@@ -575,7 +577,7 @@ adapter.private_signal_keys()
 signal = list(synchronization.HandlerAwaitableSignal)[0]
 signal_key = future.AwaitableSignalsContract.get_unique_awaitable_singal_key(signal, "1")
 # 5. a manager's checkpointer, closed directly when close() re-raises a failed save
-reader = adapter.read_manager(ours, 0)
+reader = managers.read_manager(ours, 0)
 checkpointer_close = callable(getattr(getattr(reader, "_checkpointer", None), "close", None))
 adapter.close_quietly(reader)
 src = inspect.getsource(async_checkpointer._background_wait_for_commit_futures)
@@ -585,9 +587,9 @@ print(json.dumps({
   "write_spec": callable(tensorstore_utils.build_array_write_spec),
   "subdir": (ocdbt_utils.get_process_index_for_subdir(use_ocdbt=True) == ocp.multihost.process_index() == 0
              and ocdbt_utils.get_process_index_for_subdir(use_ocdbt=False) is None),
-  "finalized": (adapter.is_finalized(os.path.join(ours, "1")) and adapter.is_finalized(os.path.join(ad, "1"))
-                and not adapter.is_finalized(os.path.join(ours, "2" + adapter.TMP_SUFFIX))
-                and adapter.TMP_SUFFIX == ".orbax-checkpoint-tmp"),
+  "finalized": (managers.is_finalized(os.path.join(ours, "1")) and managers.is_finalized(os.path.join(ad, "1"))
+                and not managers.is_finalized(os.path.join(ours, "2" + managers.TMP_SUFFIX))
+                and managers.TMP_SUFFIX == ".orbax-checkpoint-tmp"),
   "handler": all(hasattr(h, a) for a in ("_open_and_write", "_metadata_key", "_override_ocdbt_process_id",
                                           "_background_serialize")),
   "same_format": files(stock) == files(ours) and same_meta,
@@ -603,7 +605,7 @@ print(json.dumps({
                     and adapter.signal_prefix().startswith(f"awaitable_signals_contract_jaxft_{os.getpid()}_")),
   "preemption_hook": (callable(getattr(ocp.CheckpointManager, "reached_preemption", None))
                       and "self.reached_preemption(step)" in inspect.getsource(ocp.CheckpointManager.save)
-                      and adapter.LiveSetCheckpointManager.reached_preemption(None, 1) is False),
+                      and managers.LiveSetCheckpointManager.reached_preemption(None, 1) is False),
   "checkpointer_close": checkpointer_close,
   # 6. the blocking phase's barriers come from get_barrier_sync_fn, looked up at each call,
   #    also in the helper thread Orbax awaits the temporary directories' creation in

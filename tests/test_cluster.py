@@ -14,7 +14,7 @@ pytestmark = pytest.mark.smoke  # jax's cluster detection is private API: check 
 SUM = """
 import json, sys
 import jaxft
-rt = jaxft.initialize(initialization_timeout=30)
+rt = jaxft.initialize(timeouts=jaxft.Timeouts.from_env().replace(initialization=30))
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 devices = sorted(jax.devices(), key=lambda d: d.id)

@@ -132,10 +132,10 @@ def test_checkpoints_between_commits_are_refused_at_the_first_commit_without_res
 
     import jaxft
 
-    ckpt = jaxft.ElasticCheckpointer(tmp_path / "ck", every=6)
+    ckpt = jaxft.ElasticCheckpointer(tmp_path / "ck", options=jaxft.CheckpointOptions(every=6))
     record = types.SimpleNamespace(members=(0,), incarnations={0: 0}, step=3)
     with pytest.raises(jaxft.ConfigError, match="every=6 is not a multiple of the loop's commit_every=4"):
-        ckpt.on_commit(types.SimpleNamespace(commit_every=4, step=4), record)
+        ckpt.on_commit(types.SimpleNamespace(options=jaxft.LoopOptions(commit_every=4), step=4), record)
 
 
 SAVE_PENDING = r"""
@@ -146,7 +146,7 @@ rt = jaxft.initialize()
 data = jaxft.GlobalBatches(mlp.make_dataset(256), 32, seed=0)
 ckpt = jaxft.ElasticCheckpointer(os.path.join(sys.argv[1], "ck"), runtime=rt)
 trainer = jaxft.ElasticTrainer(mlp.loss_fn, optax.sgd(0.1), mlp.init_params(0, 16, 8), data, runtime=rt,
-                               on_commit=ckpt.on_commit, commit_every=4)
+                               on_commit=ckpt.on_commit, options=jaxft.LoopOptions(commit_every=4))
 tried = []
 
 def save_between_commits():  # before each attempt: the first time a step is pending, save

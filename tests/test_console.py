@@ -2,7 +2,7 @@
 
 from helpers import MLP, PYTHON, launch
 
-from jaxft.supervisor.console import RunTracker
+from jaxft.supervisor.tracker import RunTracker
 
 
 def _ev(t, event, **fields):

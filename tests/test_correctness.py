@@ -153,8 +153,8 @@ def make_step(mesh):  # called as built (connect admission: no votes wrapped aro
         return jax.jit(step, donate_argnums=0, out_shardings=NamedSharding(mesh, P()))
     return jax.jit(step, out_shardings=({"w": NamedSharding(mesh, P("data"))}, NamedSharding(mesh, P())))
 
-loop = jaxft.ElasticLoop(None, {"w": np.zeros(2, np.float32)}, data, runtime=rt, make_step=make_step,
-                         group=jaxft.ElasticGroup(admission="connect"))
+loop = jaxft.ElasticLoop(jaxft.MeshStep(make_step), {"w": np.zeros(2, np.float32)}, data, runtime=rt,
+                         options=jaxft.LoopOptions(admission="connect"))
 loop.run(3)
 print("trained", flush=True)
 '''

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxft
 from jaxft.bench.mlp import init_params, loss_fn, make_dataset
 from jaxft.worker.data import shard_batch
-from jaxft.worker.trainer import make_train_step
+from jaxft.worker.train_step import make_train_step
 
 G, STEPS = 96, 2
 data = jaxft.GlobalBatches(make_dataset(1024), G, seed=0)
@@ -27,7 +27,7 @@ def run(width, reduction, chunks):
     opt = optax.adam(1e-2)
     params = jax.device_put(init_params(0, 16, 32), rep)
     opt_state = jax.device_put(opt.init(params), rep)
-    step = make_train_step(loss_fn, opt, G, mesh, reduction, chunks)
+    step = make_train_step(loss_fn, opt, G, mesh, jaxft.Reduction(reduction, chunks=chunks))
     chunk = G // chunks if chunks else None
     for s in range(STEPS):
         batch, mask = shard_batch(data.batch(s), mesh, chunk=chunk)
@@ -69,16 +69,16 @@ def test_exact_reduction_arguments_are_checked():
 
     data = jaxft.GlobalBatches(make_dataset(64), 96)
     params = init_params(0, 16, 8)
-    for kwargs, words in [({"reduction": "exact"}, "exact_chunks"),
-                          ({"reduction": "exact", "exact_chunks": 7}, "dividing"),
-                          ({"reduction": "exact", "exact_chunks": 0}, "dividing"),
-                          ({"reduction": "exact", "exact_chunks": 8, "micro_batch": 4}, "micro_batch=None"),
-                          ({"exact_chunks": 8}, "only used with"),
-                          ({"reduction": "allreduce64"}, "exact_chunks"),
-                          ({"reduction": "allreduce64", "exact_chunks": 5}, "dividing"),
-                          ({"reduction": "psum"}, "reduction must be")]:
+    for kwargs, words in [({"kind": "exact"}, "needs chunks"),
+                          ({"kind": "exact", "chunks": 7}, "dividing"),
+                          ({"kind": "exact", "chunks": 0}, "chunks must be >= 1"),
+                          ({"kind": "exact", "chunks": 8, "micro_batch": 4}, "micro_batch=None"),
+                          ({"chunks": 8}, "chunks is for"),
+                          ({"kind": "allreduce64"}, "needs chunks"),
+                          ({"kind": "allreduce64", "chunks": 5}, "dividing"),
+                          ({"kind": "psum"}, "reduction must be")]:
         with pytest.raises(ValueError, match=words):
-            jaxft.ElasticTrainer(loss_fn, optax.sgd(0.1), params, data, **kwargs)
+            jaxft.ElasticTrainer(loss_fn, optax.sgd(0.1), params, data, reduction=jaxft.Reduction(**kwargs))
 
 
 def test_chunked_layout_keeps_the_chunk_size_whatever_the_width():
@@ -122,9 +122,9 @@ def test_kill_and_narrower_run_end_bitwise_equal(tmp_path):
 def test_the_bench_cli_lists_the_trainer_reductions():
     # jaxft.bench names them without importing jax; a new reduction must reach its --reduction
     from jaxft import bench
-    from jaxft.worker import trainer
+    from jaxft.worker import options
 
-    assert bench.REDUCTIONS == trainer.REDUCTIONS
+    assert bench.REDUCTIONS == options.REDUCTIONS
 
 
 def test_the_chaos_bench_hands_its_reduction_to_the_mlp_runs():

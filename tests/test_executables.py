@@ -25,7 +25,8 @@ import jaxft
 from jaxft.worker import executables
 from jaxft.bench import mlp
 from jaxft.core import votes as votes_lib
-from jaxft.worker.loop import _votes_array
+from jaxft.worker.arrays import replicate
+from jaxft.worker.programs import votes_array
 
 directory, first, then, variant = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 logs = []
@@ -41,18 +42,17 @@ jax.config.update("jax_log_compiles", True)
 loss = mlp.loss_fn if variant == "same" else (lambda p, b: 2.0 * mlp.loss_fn(p, b))
 data = jaxft.GlobalBatches(mlp.make_dataset(512), 96, seed=0)
 params = jax.tree_util.tree_map(np.asarray, mlp.init_params(0, 16, 32))
-loop = jaxft.ElasticTrainer(loss, optax.adam(1e-2), params, data,
-                            group=jaxft.ElasticGroup(admission="ready")).loop
-reference = loop._reference_program if sys.argv[5:] == ["ref"] else None
-loop.executables = executables.Executables(directory if directory != "-" else None, reference=reference)
+loop = jaxft.ElasticTrainer(loss, optax.adam(1e-2), params, data).loop  # (ready admission)
+reference = loop.executor.programs.reference if sys.argv[5:] == ["ref"] else None
+programs = loop.executor.programs
+programs.executables = executables.Executables(directory if directory != "-" else None, reference=reference)
 
 def step(width):
     mesh = Mesh(np.array(jax.devices()[:width]), ("data",))
-    m = types.SimpleNamespace(devices=tuple(mesh.devices.flat), mesh=mesh, process_ids=(0,))
-    batch, mask = loop._batch(0, m)
-    args = (loop._replicated(loop.state, m), batch, mask, _votes_array(votes_lib.empty(1), mesh, "data"))
+    batch, mask = loop.executor.feeder.place(0, mesh)
+    args = (replicate(loop.state, mesh), batch, mask, votes_array(votes_lib.empty(1), mesh, "data"))
     logs.clear()
-    out = loop._call(mesh, loop._fn_for(mesh), args)
+    out = loop.executor.programs.call(mesh, loop.executor.programs.for_mesh(mesh), args)
     digest = hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(out[0]))).hexdigest()
     return len(logs), digest[:16]
 
@@ -61,10 +61,10 @@ print("first", n, a)
 n, b = step(then)
 print("then", n, b)
 jax_backend.clear_backends()  # what a rejoin does on CPU
-loop._after_reset()
+loop.executor.programs.reset()
 n, c = step(then)
 print("rebuilt", n, c, c == b)
-print("counters", loop.executables.loads, loop.executables.compiles)
+print("counters", loop.executor.programs.executables.loads, loop.executor.programs.executables.compiles)
 '''
 
 
@@ -163,29 +163,28 @@ import jaxft
 from jaxft.worker import executables
 from jaxft.bench import mlp
 from jaxft.core import votes as votes_lib
-from jaxft.worker.loop import _votes_array
+from jaxft.worker.arrays import replicate
+from jaxft.worker.programs import votes_array
 
 PRINT = threading.Lock()  # two threads print: one line each, never interleaved
 data = jaxft.GlobalBatches(mlp.make_dataset(512), 96, seed=0)
 params = jax.tree_util.tree_map(np.asarray, mlp.init_params(0, 16, 32))
-loop = jaxft.ElasticTrainer(mlp.loss_fn, optax.adam(1e-2), params, data,
-                            group=jaxft.ElasticGroup(admission="ready")).loop
+loop = jaxft.ElasticTrainer(mlp.loss_fn, optax.adam(1e-2), params, data).loop  # (ready admission)
 
 def step(mode, ids):
     mesh = Mesh(np.array([jax.devices()[i] for i in ids]), ("data",))
-    m = types.SimpleNamespace(devices=tuple(mesh.devices.flat), mesh=mesh, process_ids=(0,))
-    batch, mask = loop._batch(0, m)
-    args = (loop._replicated(loop.state, m), batch, mask, _votes_array(votes_lib.empty(1), mesh, "data"))
-    out = loop._call(mesh, loop._fn_for(mesh), args)
+    batch, mask = loop.executor.feeder.place(0, mesh)
+    args = (replicate(loop.state, mesh), batch, mask, votes_array(votes_lib.empty(1), mesh, "data"))
+    out = loop.executor.programs.call(mesh, loop.executor.programs.for_mesh(mesh), args)
     devices = sorted({s.device.id for x in jax.tree_util.tree_leaves(out[0]) for s in x.addressable_shards})
     digest = hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(out[0]))).hexdigest()
     with PRINT:
         print(mode, ids, "on", devices, digest[:16], flush=True)
 
 for mode in ("reassign", "compile"):
-    store = loop.executables = executables.Executables(None)
+    store = loop.executor.programs.executables = executables.Executables(None)
     store.reassign = mode == "reassign"
-    loop._compiled.clear()
+    loop.executor.programs._compiled.clear()
     warm = threading.Thread(target=step, args=(mode, (0, 1, 2)))
     warm.start()
     while not store._compiling and warm.is_alive():

@@ -8,6 +8,8 @@ whose summed gradient is compared with the exact sum rounded once to bfloat16.
 import numpy as np
 import pytest
 
+from jaxft import Reduction
+
 G, N = 512, 64  # examples per step (each its own micro-batch), params
 
 
@@ -38,12 +40,12 @@ def test_bf16_gradients_of_many_micro_batches_are_summed_in_float32(reduction, c
     from jax.sharding import PartitionSpec as P
 
     from jaxft.worker.data import shard_batch
-    from jaxft.worker.trainer import make_train_step
+    from jaxft.worker.train_step import make_train_step
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     x = np.asarray(jnp.asarray(np.random.default_rng(0).uniform(0.5, 1.0, (G, N)), jnp.bfloat16))
     params = jax.device_put({"w": jnp.zeros((N,), jnp.bfloat16)}, NamedSharding(mesh, P()))
-    step = make_train_step(_loss, _identity(), G, mesh, reduction, chunks)
+    step = make_train_step(_loss, _identity(), G, mesh, Reduction(reduction, chunks=chunks))
     batch, mask = shard_batch({"x": x}, mesh, micro_batch=micro, chunk=G // chunks if chunks else None)
     new, _, _ = step(params, _identity().init(params), batch, mask)
 
@@ -65,7 +67,7 @@ def test_bf16_params_and_their_optimizer_state_keep_their_dtype():
     from jax.sharding import PartitionSpec as P
 
     from jaxft.worker.data import shard_batch
-    from jaxft.worker.trainer import make_train_step
+    from jaxft.worker.train_step import make_train_step
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     x = np.random.default_rng(0).uniform(0.5, 1.0, (32, N)).astype(np.float32)
@@ -89,7 +91,7 @@ def test_float64_params_with_micro_batches_sum_their_losses_in_float64():
     from jax.sharding import PartitionSpec as P
 
     from jaxft.worker.data import shard_batch
-    from jaxft.worker.trainer import make_train_step
+    from jaxft.worker.train_step import make_train_step
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     x = np.random.default_rng(0).uniform(0.5, 1.0, (32, N))

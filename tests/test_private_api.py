@@ -1,6 +1,6 @@
 """The private jax/jaxlib API jaxft is pinned to (see the jax bound in pyproject.toml).
 
-Every borrowed name lives in ``jaxft/_compat.py``; these tests check that the names are
+Every borrowed name lives in the ``jaxft._compat`` package; these tests check that the names are
 there *and* that each shim function still does what jaxft relies on, with real processes.
 Each check fails with a message that names the moved piece: when one fails on a new jax
 release, jaxft must be adapted before that release is allowed by pyproject's bound.

@@ -96,9 +96,9 @@ cases = {
     "bad_env": dict(coordinator_address="127.0.0.1:1", num_processes=2,
                     environ={"JAXFT_PROCESS_ID": "one"}),
     "bad_timeout": dict(coordinator_address="127.0.0.1:1", num_processes=2, process_id=0,
-                        heartbeat_timeout=-1),
+                        environ={"JAXFT_TIMEOUTS": "heartbeat=-1"}),
     "bad_collective_timeout": dict(coordinator_address="127.0.0.1:1", num_processes=2, process_id=0,
-                                   collective_timeout=-5),
+                                   environ={"JAXFT_TIMEOUTS": "collective=-5"}),
 }
 out = {}
 for name, kwargs in cases.items():
@@ -126,7 +126,8 @@ def test_initialize_rejects_zero_timeouts():
     # Should the check be skipped, this connects to a service of its own and succeeds quickly.
     code = TRY_INITIALIZE + f"""
 print(json.dumps(attempt(coordinator_address="127.0.0.1:{free_port()}", num_processes=1, process_id=0,
-                         heartbeat_timeout=0, external_coordinator=False, environ={{}})))
+                         options=jaxft.InitOptions(external_coordinator=False),
+                         environ={{"JAXFT_TIMEOUTS": "heartbeat=0"}})))
 """
     r = run_python(code, timeout=30)
     assert r.returncode == 0, r.describe()
@@ -140,7 +141,8 @@ with socket.socket() as s:  # a port nobody listens on
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
 print(json.dumps(attempt(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=1,
-                         external_coordinator=True, initialization_timeout=3, environ={})))
+                         options=jaxft.InitOptions(external_coordinator=True),
+                         timeouts=jaxft.Timeouts(initialization=3), environ={})))
 """
 
 
@@ -179,8 +181,8 @@ from jax._src import distributed, xla_bridge
 external = sys.argv[1] == "external"
 coord = jaxft.Coordinator(1) if external else None
 address = coord.address if external else f"127.0.0.1:{int(sys.argv[2])}"
-rt = jaxft.initialize(address, 1, 0, external_coordinator=external, collective_timeout=7,
-                      initialization_timeout=20, run_dir=sys.argv[3])
+rt = jaxft.initialize(address, 1, 0, timeouts=jaxft.Timeouts(collective=7, initialization=20),
+                      options=jaxft.InitOptions(external_coordinator=external, run_dir=sys.argv[3]))
 import jax
 out = {
     "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -194,7 +196,7 @@ out = {
                                               "collective_timeout", "heartbeat_timeout", "run_dir")},
 }
 try:
-    jaxft.initialize(address, 1, 0, external_coordinator=external)
+    jaxft.initialize(address, 1, 0, options=jaxft.InitOptions(external_coordinator=external))
 except jaxft.InitializeError as e:
     out["second_call"] = str(e)
 out["devices"] = [d.platform for d in jax.devices()]
@@ -255,7 +257,7 @@ coord = jaxft.Coordinator(1)
 os.environ.update({"JAXFT_COORDINATOR_ADDRESS": coord.address, "JAXFT_EXTERNAL_COORDINATOR": "1",
                    "JAXFT_PROCESS_ID": "0", "JAXFT_NUM_PROCESSES": "1", "JAXFT_INCARNATION": "3",
                    "JAXFT_HEARTBEAT_TIMEOUT": "4", "JAXFT_COLLECTIVE_TIMEOUT": "6"})
-rt = jaxft.initialize(initialization_timeout=20)
+rt = jaxft.initialize(timeouts=jaxft.Timeouts.from_env().replace(initialization=20))
 print(json.dumps({"pid": rt.process_id, "n": rt.num_processes, "inc": rt.incarnation,
                   "hb": rt.heartbeat_timeout, "ct": rt.collective_timeout,
                   "ext": rt.external_coordinator, "run_dir": rt.run_dir,

@@ -113,7 +113,7 @@ def test_a_late_member_fails_the_step_with_the_others_and_stays_in_step(tmp_path
 # -- the step votes --------------------------------------------------------------------------
 
 def _total(*rows: np.ndarray) -> np.ndarray:
-    from jaxft.worker.loop import agreed_votes
+    from jaxft.worker.programs import agreed_votes
 
     return np.asarray(agreed_votes(np.sum(np.stack(rows).astype(np.float32), axis=0)))
 

@@ -60,7 +60,7 @@ def test_launch_hands_the_timeouts_to_initialize(tmp_path):
 def test_initialize_takes_a_timeouts_object():
     code = """
 import json, jaxft
-rt = jaxft.initialize(timeouts=jaxft.Timeouts(reset=13.0, heartbeat=5), collective_timeout=6, environ={})
+rt = jaxft.initialize(timeouts=jaxft.Timeouts(reset=13.0, heartbeat=5, collective=6), environ={})
 print(json.dumps([rt.timeouts.reset, rt.heartbeat_timeout, rt.collective_timeout]))
 """
     r = run_python(code, timeout=60, env=clean_env())

@@ -18,7 +18,8 @@ from jax.sharding import Mesh
 import jaxft
 from jaxft.bench.mlp import init_params, loss_fn, make_dataset
 from jaxft.core import votes as votes_lib
-from jaxft.worker.loop import _votes_array
+from jaxft.worker.arrays import replicate
+from jaxft.worker.programs import votes_array
 
 compiles = []
 class Count(logging.Handler):
@@ -32,20 +33,20 @@ jax.config.update("jax_log_compiles", True)
 data = jaxft.GlobalBatches(make_dataset(512), 96, seed=0)
 params = jax.tree_util.tree_map(np.asarray, init_params(0, 16, 32))
 admission = sys.argv[1]
-loop = jaxft.ElasticTrainer(loss_fn, optax.adam(1e-2), params, data, precompile=8,
-                            group=jaxft.ElasticGroup(admission=admission)).loop
+loop = jaxft.ElasticTrainer(loss_fn, optax.adam(1e-2), params, data,
+                            options=jaxft.LoopOptions(precompile=8, admission=admission)).loop
 for warm, width in ((True, 3), (False, 2)):
     mesh = Mesh(np.array(jax.devices()[:width]), ("data",))
-    m = types.SimpleNamespace(devices=tuple(mesh.devices.flat), mesh=mesh, process_ids=(0,))
-    batch, mask = loop._batch(0, m)
+    batch, mask = loop.executor.feeder.place(0, mesh)
     if warm:
         shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), loop.state)
-        loop._compile_for(mesh, shapes, loop._batch_template)
+        loop.executor.programs.compile_for(mesh, shapes, loop.executor.feeder.template)
     compiles.clear()
-    args = (loop._replicated(loop.state, m), batch, mask)
+    args = (replicate(loop.state, mesh), batch, mask)
     if admission == "ready":
-        args += (_votes_array(votes_lib.empty(1), mesh, "data"),)
-    jax.block_until_ready(loop._call(mesh, loop._fn_for(mesh), args))  # as try_step calls it
+        args += (votes_array(votes_lib.empty(1), mesh, "data"),)
+    programs = loop.executor.programs
+    jax.block_until_ready(programs.call(mesh, programs.for_mesh(mesh), args))  # as try_step calls it
     print("warm" if warm else "cold", len(compiles))
 '''
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 
-REDUCTIONS = ("allreduce", "allreduce64", "exact")  # jaxft.worker.trainer.REDUCTIONS, named without importing jax
+REDUCTIONS = ("allreduce", "allreduce64", "exact")  # jaxft.worker.options.REDUCTIONS (the CLI imports no worker code)
 
 
 def add_parser(sub) -> None:
@@ -95,12 +95,13 @@ def run(args) -> int:
         print(f"floor (plain + one coordination-service round trip per step): {figures['floor_ms']:.2f} ms, "
               f"ratio {figures['floor_ratio']:.3f}")
     elif args.bench == "chaos":
-        from jaxft.bench.chaos import bench_chaos
+        from jaxft.bench.chaos import Schedule, Workload, bench_chaos
 
-        figures = bench_chaos(args.n, args.steps, args.kill_every, args.checkpoint_every, args.step_sleep,
-                              args.seed, args.keep_dirs, overhead=not args.no_overhead, kills=args.kills,
-                              admission=args.admission, precompile=args.precompile, reduction=args.reduction,
-                              pipeline=args.pipeline, commit_every=args.commit_every)
+        workload = Workload(args.steps, args.step_sleep, args.checkpoint_every, args.reduction, args.pipeline,
+                            args.commit_every)
+        figures = bench_chaos(args.n, workload, Schedule(args.kill_every, args.kills, args.seed),
+                              admission=args.admission, precompile=args.precompile, keep_dirs=args.keep_dirs,
+                              overhead=not args.no_overhead)
         print(f"{'':12s} {'goodput':>8s} {'steps lost':>10s} {'recovery s':>10s} {'train s':>8s} "
               f"{'max stall s':>11s} {'min width':>9s}  params vs fault-free")
         for name in ("fault_free", "jaxft", "restart_all"):

@@ -5,11 +5,13 @@ runs from an installed jaxft."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 import numpy as np
 
@@ -67,24 +69,47 @@ def run_figures(events: list[dict], steps: int) -> dict:
             "finals_agree": len(finals) == 1}  # every process that finished holds the same params
 
 
-def bench_chaos(n: int = 4, steps: int = 300, kill_every: float | None = None, checkpoint_every: int = 20,
-                step_sleep: float = 0.1, seed: int = 0, keep_dirs: str | None = None,
-                overhead: bool = True, kills: int = 5, admission: str = "ready", precompile: int = 8,
-                reduction: str = "allreduce", pipeline: bool = False, commit_every: int = 1) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What every run trains (:mod:`jaxft.bench.mlp`): ``steps`` steps of ``step_sleep`` s each, a
+    checkpoint every ``checkpoint_every`` (a multiple of ``commit_every``), the gradient
+    ``reduction`` (the chunked ones in :data:`CHUNKS` chunks), ``pipeline`` and ``commit_every``
+    (:class:`~jaxft.LoopOptions`)."""
+
+    steps: int = 300
+    step_sleep: float = 0.1
+    checkpoint_every: int = 20
+    reduction: str = "allreduce"
+    pipeline: bool = False
+    commit_every: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """When the kills fall: every ``kill_every`` seconds of the fault-free run's training time,
+    or (None) ``kills`` of them spread evenly over it; the process killed drawn with ``seed``."""
+
+    kill_every: float | None = None
+    kills: int = 5
+    seed: int = 0
+
+
+def bench_chaos(n: int = 4, workload: Workload = Workload(), schedule: Schedule = Schedule(), *,
+                admission: str = "ready", precompile: int = 8, keep_dirs: str | None = None,
+                overhead: bool = True) -> dict:
     """The same training three ways: fault-free, jaxft with kills, restart-all with kills.
 
-    The kills fall every ``kill_every`` seconds of the fault-free run's training time, or,
-    by default, ``kills`` of them spread evenly over it. The jaxft run uses ``admission``
-    (``ready``: survivors train on while a restarted process sets up) and ``precompile``
-    (:mod:`jaxft.worker.warmup`); so does the fault-free run, the reference of every goodput. The
-    restart-all run has no use for either. All three use ``reduction`` (``jaxft.ElasticTrainer``;
-    the chunked ones in :data:`CHUNKS` chunks), ``pipeline`` and ``commit_every`` (``jaxft.ElasticLoop``;
-    ``checkpoint_every`` must then be a multiple of ``commit_every``), and
-    each faulty run's final params are compared with the fault-free run's leaf by leaf
-    (``params_vs_fault_free``).
+    The jaxft run uses ``admission`` (``ready``: survivors train on while a restarted process
+    sets up) and ``precompile`` (:mod:`jaxft.worker.warmup`); so does the fault-free run, the
+    reference of every goodput. The restart-all run has no use for either. Each faulty run's
+    final params are compared with the fault-free run's leaf by leaf (``params_vs_fault_free``).
+    ``keep_dirs``: where the run dirs go (kept); ``overhead``: also run ``jaxft bench overhead``.
     """
     import random
 
+    steps, step_sleep, checkpoint_every = workload.steps, workload.step_sleep, workload.checkpoint_every
+    reduction, pipeline, commit_every = workload.reduction, workload.pipeline, workload.commit_every
+    kill_every, kills, seed = schedule.kill_every, schedule.kills, schedule.seed
     if commit_every < 1 or checkpoint_every % commit_every:
         raise ConfigError(f"--commit-every {commit_every}: must be >= 1 and divide --checkpoint-every "
                          f"{checkpoint_every} (on_commit runs once per commit)")
@@ -123,17 +148,17 @@ def bench_chaos(n: int = 4, steps: int = 300, kill_every: float | None = None, c
     else:  # spread evenly, the last one well before the end (the run gets slower under kills)
         span = (last_commit - first_commit) * 0.8
         times = [first_commit + span * (i + 1) / (kills + 1) for i in range(kills)]
-    schedule = [f"kill:process={rng.randrange(n)}:after={t:.2f}s" for t in times]
-    figures = {"fault_free": run_figures(ff_events, steps)}
-    figures["jaxft"] = run_figures(job("jaxft", "on-failure", schedule, elastic), steps)
-    figures["restart_all"] = run_figures(job("restart_all", "all", schedule), steps)
+    rules = [f"kill:process={rng.randrange(n)}:after={t:.2f}s" for t in times]
+    figures: dict[str, Any] = {"fault_free": run_figures(ff_events, steps)}  # (also the schedule, the config)
+    figures["jaxft"] = run_figures(job("jaxft", "on-failure", rules, elastic), steps)
+    figures["restart_all"] = run_figures(job("restart_all", "all", rules), steps)
     ff = figures["fault_free"]["train_s"]
     for name in figures:
         figures[name]["goodput"] = round(ff / figures[name]["train_s"], 3)
         if name != "fault_free":
             figures[name]["params_vs_fault_free"] = params_diff(params[name], params["fault_free"])
-    figures["schedule"] = schedule
-    figures["config"] = {"processes": n, "steps": steps, "kill_every_s": kill_every, "kills": len(schedule),
+    figures["schedule"] = rules
+    figures["config"] = {"processes": n, "steps": steps, "kill_every_s": kill_every, "kills": len(rules),
                          "admission": admission, "precompile": precompile, "reduction": reduction, "pipeline": pipeline,
                          "commit_every": commit_every,
                          "checkpoint_every": checkpoint_every, "step_sleep_s": step_sleep, "seed": seed,

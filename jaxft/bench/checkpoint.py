@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from jaxft.events import EventLog
-from jaxft.worker.checkpoint import orbax
+from jaxft.worker.checkpoint import managers
 from jaxft.worker.checkpoint.layout import FORMAT, flatten_state, state_checksum
 from jaxft.worker.checkpoint.store import CheckpointStore
 
@@ -49,6 +49,8 @@ def bench_async_vs_sync(nbytes: float = 100e6, repeats: int = 3, directory: str 
             t0 = time.perf_counter()
             save = store.save(i + 1, params)
             t1 = time.perf_counter()
+            if save is None:
+                raise RuntimeError("async save failed in its blocking phase (see checkpoint_abandoned)")
             save.wait()
             t2 = time.perf_counter()
             if not save.ok:
@@ -63,12 +65,12 @@ def bench_async_vs_sync(nbytes: float = 100e6, repeats: int = 3, directory: str 
         me = jax.process_index()
         sync_times = []
         for i in range(repeats + 1):
-            mgr = orbax.sync_manager(sync_dir, me, keep=2)
+            mgr = managers.sync_manager(sync_dir, me, keep=2)
             t0 = time.perf_counter()
             named, layout, _ = flatten_state(params)
             meta = {"format": FORMAT, "step": i + 1, "leaves": layout,
                     "checksum": state_checksum(i + 1, named)}
-            mgr.save(i + 1, args=orbax.save_args({"step": np.asarray(i + 1, np.int64), "leaves": named}),
+            mgr.save(i + 1, args=managers.save_args({"step": np.asarray(i + 1, np.int64), "leaves": named}),
                      custom_metadata=meta, force=True)
             mgr.wait_until_finished()
             t1 = time.perf_counter()

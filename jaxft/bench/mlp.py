@@ -63,9 +63,9 @@ def make_dataset(num_examples: int, features: int = 16):
 
 
 def init_params(seed: int, features: int, hidden: int):
-    """The MLP's initial params, one jitted program: run op by op, its ~20 small programs were
-    compiled one by one in every process, ~5 s of each multi-process run's start-up on two
-    cores (measured with cProfile: 5.6 s of a worker's 11.4 s)."""
+    """The MLP's initial params, one jitted program: run op by op, its small programs were
+    compiled one by one in every process, a large part of each multi-process run's start-up
+    (measured: docs/benchmarks.md, 'Figures behind the code')."""
     import jax
     import jax.numpy as jnp
 
@@ -98,7 +98,8 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # keep jax's INFO lines out of the workers' output
     if FLAGS.checkpoint_every:
         from jaxft.worker import checkpoint  # noqa: F401 - Orbax imports slowly: do it before joining the job
-    rt = jaxft.initialize(wait_until_forgotten=FLAGS.admission == "ready")  # before any other JAX use
+    # before any other JAX use
+    rt = jaxft.initialize(options=jaxft.InitOptions(wait_until_forgotten=FLAGS.admission == "ready"))
     import time
 
     import jax
@@ -115,9 +116,10 @@ def main(argv):
     if FLAGS.checkpoint_every:
         from jaxft.worker.checkpoint import resolve_directory
 
-        ckpt = jaxft.ElasticCheckpointer(resolve_directory(FLAGS.checkpoint_dir), every=FLAGS.checkpoint_every,
-                                         keep=FLAGS.keep or None, runtime=rt, data=data,
-                                         metadata={"model": "mlp", "hidden": FLAGS.hidden, "init_seed": FLAGS.seed})
+        options = jaxft.CheckpointOptions(every=FLAGS.checkpoint_every, keep=FLAGS.keep or None,
+                                          metadata={"model": "mlp", "hidden": FLAGS.hidden, "init_seed": FLAGS.seed})
+        ckpt = jaxft.ElasticCheckpointer(resolve_directory(FLAGS.checkpoint_dir), runtime=rt, data=data,
+                                         options=options)
 
     printed = [-1, None]  # (the step of the last line printed, of the last commit)
 
@@ -132,13 +134,13 @@ def main(argv):
             time.sleep(FLAGS.step_sleep * max(steps, 1))
         printed[1] = record.step
 
+    chunked = FLAGS.reduction != "allreduce"
+    reduction = jaxft.Reduction(FLAGS.reduction, chunks=FLAGS.exact_chunks if chunked else None,
+                                micro_batch=FLAGS.micro_batch or None)
+    options = jaxft.LoopOptions(check_every=FLAGS.check_every, precompile=FLAGS.precompile, pipeline=FLAGS.pipeline,
+                                commit_every=FLAGS.commit_every, admission=FLAGS.admission)
     trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params, data, runtime=rt,
-                                   micro_batch=FLAGS.micro_batch or None, check_every=FLAGS.check_every,
-                                   reduction=FLAGS.reduction,
-                                   exact_chunks=FLAGS.exact_chunks if FLAGS.reduction != "allreduce" else None,
-                                   on_commit=on_commit, group=jaxft.ElasticGroup(admission=FLAGS.admission),
-                                   precompile=FLAGS.precompile, pipeline=FLAGS.pipeline,
-                                   commit_every=FLAGS.commit_every)
+                                   on_commit=on_commit, options=options, reduction=reduction)
     if ckpt is not None:
         restored = ckpt.restore(trainer)  # cold restore (put off by a restart whose peers train on)
         if restored is not None:

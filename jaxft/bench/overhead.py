@@ -30,8 +30,9 @@ def worker(steps: int, hidden: int, batch: int, admission: str = "ready", reduct
     from jax.sharding import PartitionSpec as P
 
     from jaxft.worker import kv
+    from jaxft.worker.arrays import replicate
     from jaxft.worker.data import shard_batch
-    from jaxft.worker.trainer import _replicate, make_train_step
+    from jaxft.worker.train_step import make_train_step
 
     rng = np.random.default_rng(0)
     data = {"x": rng.normal(size=(batch * 4, hidden)).astype(np.float32),
@@ -47,10 +48,11 @@ def worker(steps: int, hidden: int, batch: int, admission: str = "ready", reduct
     tx = optax.sgd(1e-3)
     batches = jaxft.GlobalBatches(data, batch, seed=0)
     chunks = None if reduction == "allreduce" else CHUNKS
-    trainer = jaxft.ElasticTrainer(loss_fn, tx, params, batches, runtime=rt, reduction=reduction,
-                                   exact_chunks=chunks, group=jaxft.ElasticGroup(admission=admission),
-                                   pipeline=pipeline, commit_every=commit_every)
-    trainer.group.target = 10 ** 9  # (a step starts early only when the run's end is known)
+    trainer = jaxft.ElasticTrainer(loss_fn, tx, params, batches, runtime=rt,
+                                   reduction=jaxft.Reduction(reduction, chunks=chunks),
+                                   options=jaxft.LoopOptions(pipeline=pipeline, commit_every=commit_every,
+                                                             admission=admission))
+    trainer.group.begin_run(10 ** 9)  # (a step starts early only when the run's end is known)
     for _ in range(3):  # warm up: the first step rebuilds the data plane (and the backend) and compiles
         trainer.try_step()
     # The plain loop: the default all-reduce's step function (whatever ``reduction`` the
@@ -58,7 +60,7 @@ def worker(steps: int, hidden: int, batch: int, admission: str = "ready", reduct
     # as global arrays.
     mesh = trainer.group.mesh(sorted(jax.devices(), key=lambda d: d.id))
     fn = make_train_step(loss_fn, tx, batch, mesh)
-    plain = {"p": _replicate(params, mesh), "o": _replicate(tx.init(params), mesh), "i": 0}
+    plain = {"p": replicate(params, mesh), "o": replicate(tx.init(params), mesh), "i": 0}
 
     def plain_step() -> None:
         b, m = shard_batch(batches.batch(plain["i"]), mesh)
@@ -75,7 +77,8 @@ def worker(steps: int, hidden: int, batch: int, admission: str = "ready", reduct
     for _ in range(3):
         floor_step()
     # Interleaved in blocks of 10 steps, so that drift in the machine's load falls on all
-    # alike (measured one after the other, the ratio ranged 0.967-1.047 from run to run).
+    # alike (timed one after the other, the ratio moved from run to run by as much as the
+    # overhead it measures: docs/benchmarks.md, 'Figures behind the code').
     # Timed by block: with pipeline a step's program runs on into the next call, and the
     # block ends when it has (settle), so each block holds its steps' whole time.
     blocks: dict[str, list[float]] = {"elastic": [], "plain": [], "floor": []}
@@ -95,7 +98,8 @@ def worker(steps: int, hidden: int, batch: int, admission: str = "ready", reduct
     rt.events.log(Event.BENCH_OVERHEAD, elastic_ms=round(el * 1e3, 3), plain_ms=round(pl * 1e3, 3),
                   floor_ms=round(fl * 1e3, 3), ratio=round(el / pl, 4), floor_ratio=round(fl / pl, 4),
                   steps=steps, processes=rt.num_processes, hidden=hidden, global_batch=batch, reduction=reduction,
-                  pipeline=pipeline, started_early=trainer.loop.started_early, commit_every=commit_every,
+                  pipeline=pipeline, started_early=trainer.loop.executor.pipeline.started_early,
+                  commit_every=commit_every,
                   deferred=trainer.group.deferred)
     trainer.group.finish()
 
@@ -121,6 +125,16 @@ def bench_overhead(n: int = 2, steps: int = 100, hidden: int = 512, batch: int =
 
 
 
+def _main(argv: list[str]) -> None:
+    """``python -m jaxft.bench.overhead STEPS HIDDEN BATCH [ADMISSION [REDUCTION [PIPELINE(0|1) [COMMIT_EVERY]]]]``
+    (what :func:`bench_overhead` launches; an argument left out takes :func:`worker`'s default)."""
+    a = argv[1:]
+    worker(int(a[0]), int(a[1]), int(a[2]),
+           admission=a[3] if len(a) > 3 else "ready",
+           reduction=a[4] if len(a) > 4 else "allreduce",
+           pipeline=bool(int(a[5])) if len(a) > 5 else False,
+           commit_every=int(a[6]) if len(a) > 6 else 1)
+
+
 if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:6],
-           *(bool(int(a)) for a in sys.argv[6:7]), *(int(a) for a in sys.argv[7:8]))
+    _main(sys.argv)

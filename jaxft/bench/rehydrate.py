@@ -90,6 +90,7 @@ def worker(mb: float) -> None:
             # (a receiver's new tree; the donor returns its own leaves): the transfer's overhead.
             result = 0 if rt.process_id == 0 else nbytes
             extra.append(max(0, (_rss_kib()[1] - rss0) * 1024 - result) if peak_ok else None)
+    assert got is not None, "no round of the transfer completed"
     ok = all(np.array_equal(got[k], np.asarray(v) if rt.process_id == 0 else got[k]) for k, v in tree.items())
     ok = ok and bool(got["params"][-1] == np.float32(n // 2 - 1))
     role = "donor" if rt.process_id == 0 else "joiner" if rt.process_id == 1 else "bystander"

@@ -7,7 +7,8 @@ Two modes:
   ``RUN_DIR/logs/launcher.log``); the console shows one live progress line (a ``rich``
   live line on a terminal, a plain line every ``progress_every`` seconds otherwise), one
   line per incident that tells its story, and a summary. Everything is derived from the
-  events the workers already write to ``RUN_DIR/events.jsonl``, which a thread tails. A
+  events the workers already write to ``RUN_DIR/events.jsonl``, which a thread tails and
+  :class:`~jaxft.supervisor.tracker.RunTracker` folds into figures and stories. A
   worker that exits with an error code shows its last lines; expected deaths never do.
 * ``raw``: today's stream, every worker line prefixed with ``[P]`` (``--console raw``).
 """
@@ -15,215 +16,22 @@ Two modes:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import os
 import sys
 import threading
 import time
-from collections.abc import Iterable
-from typing import IO, TextIO
+from typing import IO, TYPE_CHECKING, TextIO
 
 from jaxft.protocol import Event
+from jaxft.supervisor.tracker import RunTracker
+
+if TYPE_CHECKING:
+    from rich.live import Live
 
 CONSOLE_MODES = ("progress", "raw")
 TAIL_LINES = 25  # worker lines shown when it fails unexpectedly
 EXPECTED_EXIT_REASONS = ("terminated by launcher", "killed by --restart all")
-
-
-def _fmt_time(seconds: float | None) -> str:
-    if seconds is None or seconds != seconds or seconds < 0:
-        return "-:--"
-    s = int(round(seconds))
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
-def _procs(ps: Iterable[int]) -> str:
-    ps = sorted(ps)
-    return f"process {ps[0]}" if len(ps) == 1 else "processes " + ", ".join(map(str, ps))
-
-
-@dataclasses.dataclass
-class Incident:
-    """One burst of failures and how the run got over it."""
-
-    start: float
-    step: int  # the step being computed when it began
-    deaths: dict[int, str] = dataclasses.field(default_factory=dict)  # process -> how it died
-    death_steps: dict[int, int] = dataclasses.field(default_factory=dict)
-    exited: set[int] = dataclasses.field(default_factory=set)
-    pending: set[int] = dataclasses.field(default_factory=set)  # restarted, not training yet
-    back: set[int] = dataclasses.field(default_factory=set)  # restarted and training again
-    retried: tuple[int, int, float] | None = None  # (members, step, seconds)
-    failed_steps: set[int] = dataclasses.field(default_factory=set)
-    rejoins: list[str] = dataclasses.field(default_factory=list)
-    restored: dict[int, tuple[int, float]] = dataclasses.field(default_factory=dict)  # process -> (step, s)
-    restart_all: bool = False
-    gave_up: dict[int, int] = dataclasses.field(default_factory=dict)  # process -> crashes alike (not restarted)
-    resumed_at: float | None = None  # first commit of a new step after a cold restart
-
-    def story(self, ended: bool = False) -> str:
-        """One line: who died, how the run got over it; ``ended``: the run finished while this
-        incident was open (a restarted process still setting up then is not a lost one)."""
-        causes = collections.defaultdict(list)
-        for p, how in self.deaths.items():
-            causes[(self.death_steps.get(p, self.step), how)].append(p)
-        parts = [f"{_procs(ps)} {'died' if 'code' not in how else 'failed'} at step {step} ({how})"
-                 for (step, how), ps in sorted(causes.items())]
-        if self.retried:
-            n, step, secs = self.retried
-            parts.append(f"{n} member{'s' if n != 1 else ''} retried step {step} in {secs:.1f} s")
-        if self.restart_all:
-            parts.append("all processes restarted (--restart all)")
-        down = set(self.deaths) - self.back - set(self.gave_up)
-        late = down & self.pending if ended else set()  # restarted; the run ended before they rejoined
-        restored = {p: r for p, r in self.restored.items() if p not in late}
-        if restored:
-            step, secs = next(iter(restored.values()))
-            parts.append(f"{_procs(restored)} restored checkpoint step {step} "
-                         f"in {max(s for _, s in restored.values()):.1f} s")
-        if self.resumed_at is not None and not self.retried:
-            parts.append(f"training resumed after {self.resumed_at - self.start:.1f} s")
-        parts.extend(self.rejoins)
-        if late:
-            parts.append(f"{_procs(late)} restarted; the run ended before {'it' if len(late) == 1 else 'they'} "
-                         "could rejoin")
-        if self.gave_up:
-            parts.append(f"{_procs(self.gave_up)} crashed {max(self.gave_up.values())} times in a row before "
-                         "a commit: not restarted")
-        if down - late and not self.restart_all:
-            parts.append(f"{_procs(down - late)} did not come back")
-        return "; ".join(parts)
-
-
-class RunTracker:
-    """Folds a run's events into progress figures and incident stories (no I/O)."""
-
-    def __init__(self, num_processes: int | None = None):
-        self.num_processes = num_processes
-        self.total: int | None = None
-        self.start: float | None = None
-        self.step = 0  # steps committed (the next step to compute)
-        self.width = 0
-        self.commit_times: collections.deque = collections.deque(maxlen=50)  # (time, step)
-        self.incidents_seen = 0
-        self.open: Incident | None = None
-        self.finals: dict[int, str] = {}
-        self.stories: list[str] = []  # closed incidents, in order
-        self._fault_steps: dict[int, int] = {}
-        self._committed: set[int] = set()
-
-    # -- events ---------------------------------------------------------------------------
-    def feed(self, e: dict) -> list[str]:
-        """Take one event; returns the stories of incidents it closed."""
-        kind, t, p = e.get("event"), e.get("time", 0.0), e.get("process")
-        if kind in (Event.RUN_START, Event.LAUNCH) and self.start is None:
-            self.start = t
-        if kind == Event.TRAIN_START and e.get("total_steps"):
-            self.total = int(e["total_steps"])
-        elif kind == Event.FAULT and isinstance(p, int):
-            if e.get("step") is not None:
-                self._fault_steps[p] = int(e["step"])
-            self._incident(t).deaths.setdefault(p, "SIGKILL" if e.get("action") != "stop" else "SIGSTOP")
-            self.open.death_steps.setdefault(p, self._fault_steps.get(p, self.step))
-        elif kind == Event.EXIT and isinstance(p, int):
-            self._exit(e, t, p)
-        elif kind == Event.RESTART and self.open is not None and isinstance(p, int):
-            self.open.pending.add(p)
-        elif kind == Event.CRASH_LOOP and isinstance(p, int):
-            inc = self._incident(t)
-            inc.pending.discard(p)
-            inc.gave_up[p] = int(e.get("crashes", 0))
-        elif kind == Event.STEP_FAILED and self.open is not None:
-            self.open.failed_steps.add(int(e["step"]))
-        elif kind == Event.REHYDRATED and self.open is not None:
-            self.open.restored.pop(p, None)  # a joiner's start-up restore, superseded by a live peer's state
-            self.open.rejoins.append(f"process {p} rejoined at step {e.get('step')}, rehydrated from "
-                                     f"process {e.get('donor')} in {float(e.get('seconds', 0)):.1f} s")
-        elif kind == Event.RESTORED and self.open is not None and isinstance(p, int):
-            self.open.restored[p] = (int(e.get("step", 0)), float(e.get("seconds", 0.0)))
-        elif kind == Event.COMMIT:
-            return self._commit(e, t, p)
-        elif kind == Event.FINAL and isinstance(p, int):
-            self.finals[p] = str(e.get("params_sha256", ""))
-        return []
-
-    def _incident(self, t: float) -> Incident:
-        if self.open is None:
-            self.open = Incident(start=t, step=self.step)
-            self.incidents_seen += 1
-        return self.open
-
-    def _exit(self, e: dict, t: float, p: int) -> None:
-        reason = e.get("reason")
-        if reason == "terminated by launcher":
-            return
-        if reason == "killed by --restart all":
-            if self.open is not None:
-                self.open.restart_all = True
-            return
-        sig, code = e.get("signal"), e.get("code")
-        if sig is None and code == 0:
-            return
-        inc = self._incident(t)
-        how = (f"hung, {reason}" if reason and "hung" in reason else sig) if sig else f"exit code {code}"
-        if p not in inc.deaths or sig is None or (reason and "hung" in reason):
-            inc.deaths[p] = how
-        inc.death_steps.setdefault(p, self._fault_steps.get(p, self.step))
-        inc.exited.add(p)
-
-    def _commit(self, e: dict, t: float, p) -> list[str]:
-        step = int(e["step"])
-        members = e.get("members") or []
-        new = step not in self._committed
-        if new:
-            self._committed.add(step)
-            self.step = max(self.step, step + 1)
-            self.width = len(members)
-            self.commit_times.append((t, step))
-        inc = self.open
-        if inc is None:
-            return []
-        if step in inc.failed_steps and inc.retried is None and new:
-            inc.retried = (len(members), step, t - inc.start)
-        if isinstance(p, int) and p in inc.pending:
-            inc.pending.discard(p)
-            inc.back.add(p)
-        if inc.resumed_at is None and (inc.restored or inc.restart_all) and not inc.pending:
-            inc.resumed_at = t
-        if not inc.pending and inc.exited >= set(inc.deaths) and (inc.retried or not inc.failed_steps
-                                                                    or inc.resumed_at):
-            return [self._close()]
-        return []
-
-    def _close(self, ended: bool = False) -> str:
-        story = self.open.story(ended)
-        self.stories.append(story)
-        self.open = None
-        return story
-
-    def finish(self) -> list[str]:
-        """At the end of the run: the story of an incident still open."""
-        if self.open is None:
-            return []
-        return [self._close(ended=True)]
-
-    # -- figures --------------------------------------------------------------------------
-    def rate(self) -> float | None:
-        """Steps per second over the recent commits."""
-        if len(self.commit_times) < 2:
-            return None
-        (t0, s0), (t1, s1) = self.commit_times[0], self.commit_times[-1]
-        return (s1 - s0) / (t1 - t0) if t1 > t0 else None
-
-    def line(self, now: float) -> str:
-        elapsed = now - self.start if self.start else 0.0
-        rate = self.rate()
-        total = self.total
-        eta = (total - self.step) / rate if rate and total else None
-        return (f"step {self.step}/{total or '?'} | {f'{rate:.2f}' if rate else '-'} steps/s | "
-                f"width {self.width} | incidents {self.incidents_seen} | "
-                f"elapsed {_fmt_time(elapsed)} | ETA {_fmt_time(eta)}")
 
 
 def crash_loop_message(e: dict) -> str:
@@ -257,7 +65,7 @@ class Console:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._offset = 0
-        self._live = None
+        self._live: Live | None = None
         self._launcher_log: IO[str] | None = None
         self._saved_stderr: int | None = None
         self.logs_dir = os.path.join(run_dir, "logs") if (run_dir and mode == "progress") else None
@@ -265,6 +73,11 @@ class Console:
     @property
     def progress(self) -> bool:
         return self.mode == "progress"
+
+    def _logs(self) -> str:
+        """``logs_dir``, which mode ``progress`` has (the launcher always gives a run dir)."""
+        assert self.logs_dir is not None, "console mode 'progress' needs a run dir"
+        return self.logs_dir
 
     # -- launcher messages and worker streams ---------------------------------------------------
     def say(self, text: str) -> None:
@@ -305,8 +118,9 @@ class Console:
             stream.close()
             return
         tail = self._tails.setdefault((process, incarnation), collections.deque(maxlen=TAIL_LINES))
-        os.makedirs(self.logs_dir, exist_ok=True)
-        path = os.path.join(self.logs_dir, f"process-{process}.incarnation-{incarnation}.log")
+        logs_dir = self._logs()
+        os.makedirs(logs_dir, exist_ok=True)
+        path = os.path.join(logs_dir, f"process-{process}.incarnation-{incarnation}.log")
         with open(path, "ab") as f:
             for raw in iter(stream.readline, b""):
                 f.write(raw)
@@ -329,10 +143,11 @@ class Console:
         self._offset = self._events_size()  # a relaunch into a used run dir tells only its own story
         # The launcher's own native stderr (the coordination service's C++ log lines) goes to
         # logs/launcher.log until close(); Python-level errors are printed after close().
-        os.makedirs(self.logs_dir, exist_ok=True)
+        logs_dir = self._logs()
+        os.makedirs(logs_dir, exist_ok=True)
         sys.stderr.flush()
         self._saved_stderr = os.dup(2)
-        fd = os.open(os.path.join(self.logs_dir, "launcher.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(os.path.join(logs_dir, "launcher.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(fd, 2)
         os.close(fd)
         if getattr(self.out, "isatty", lambda: False)():
@@ -393,7 +208,8 @@ class Console:
     def _maybe_show_tail(self, e: dict) -> None:
         """A worker that exited with an error code (not a signal, not on purpose): its last lines."""
         code, p, life = e.get("code"), e.get("process"), int(e.get("incarnation", 0))
-        tail = list(self._tails.pop((p, life), ()))  # the life is over: its lines are no longer kept
+        # the life is over: its lines are no longer kept
+        tail = list(self._tails.pop((p, life), ())) if p is not None else []
         if code in (None, 0) or e.get("reason") in EXPECTED_EXIT_REASONS or not isinstance(p, int):
             return
         where = self.log_path(p, life)

@@ -13,46 +13,68 @@ from collections.abc import Mapping, Sequence
 from jaxft.errors import LaunchError, TimeoutsError
 from jaxft.faults import FaultRule, parse_rules
 from jaxft.net import interface_problem
-from jaxft.supervisor import crashloop
 from jaxft.supervisor.console import CONSOLE_MODES
+from jaxft.supervisor.restarts import RestartPolicy
 from jaxft.timeouts import Timeouts
 
-RESTART_POLICIES = ("never", "on-failure", "all")
 RUNS_DIR_ENV = "JAXFT_RUNS_DIR"  # where the run dirs of launches without --run-dir go
 DEFAULT_RUNS_DIR = "jaxft-runs"  # ... when it is not set: under the working directory
 _PYTHON_OPTIONS_WITH_VALUE = ("-W", "-X")  # python -X importtime train.py
 
 
-@dataclasses.dataclass
-class LaunchConfig:
-    """Everything ``jaxft launch`` needs; validated by :meth:`validate`."""
+@dataclasses.dataclass(frozen=True)
+class Service:
+    """Where the coordination service is: hosted by this launcher (the default, or with
+    ``host=True`` at ``address``'s port), or another node's / a ``jaxft coordinator``'s at ``address``.
 
-    num_processes: int  # workers on this node (--nproc-per-node; -n on a single node)
-    command: Sequence[str]
-    restart: str = "never"
-    max_restarts: int = 10
-    max_setup_crashes: int = crashloop.DEFAULT_LIMIT  # lives in a row crashing before a commit; 0: no limit
-    faults: Sequence[str] = ()
-    run_dir: str | None = None
-    heartbeat_timeout: int | None = None  # shortcuts for --timeout heartbeat=S / collective=S
-    collective_timeout: int | None = None
+    Attributes:
+      address: HOST:PORT the workers dial (``--coordinator``); None: a service hosted here.
+      host: this agent hosts the service at ``address``'s port (``--host-coordinator``).
+      port: the port of a service hosted here without ``address`` (0: a free one).
+      bind: where a hosted service listens (default loopback; all interfaces with ``host``).
+    """
+
+    address: str | None = None
+    host: bool = False
     port: int = 0
-    bind: str | None = None  # where a hosted service listens (default loopback; all interfaces for --host-coordinator)
-    gpus: Sequence[int] | None = None  # one local device id per process
-    grace_s: float = 5.0  # SIGTERM -> SIGKILL bound at shutdown
-    restart_delay_s: float = 0.0  # wait this long before restarting a dead worker
-    hung_after_s: float | None = None  # a SIGSTOPped worker counts as dead after this
-    extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
-    timeouts: Sequence[str] = ()  # NAME=SECONDS settings of jaxft.Timeouts (--timeout)
+    bind: str | None = None
+
+    @property
+    def external(self) -> bool:
+        """The service runs elsewhere: this launcher only dials it."""
+        return bool(self.address) and not self.host
+
+    def validate(self) -> None:
+        if self.host and not self.address:
+            raise LaunchError("--host-coordinator needs --coordinator HOST:PORT (the address the workers dial)")
+        if self.address:
+            host, _, port = self.address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise LaunchError(f"--coordinator must be HOST:PORT, got {self.address!r}")
+        if not 0 <= self.port < 65536:
+            raise LaunchError(f"--port must be in 0..65535 (0: a free one), got {self.port}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """What processes run where.
+
+    Attributes:
+      num_processes: workers on this node (``--nproc-per-node``; ``-n`` on a single node).
+      nnodes: nodes in the job, one launcher (agent) each.
+      node_rank: this node's rank in ``[0, nnodes)``; its workers are processes
+        ``node_rank * num_processes + local``.
+      gpus: one local device id per worker (None: no GPU assignment).
+      gloo_interface: network interface of the CPU collectives.
+      service: where the coordination service is.
+    """
+
+    num_processes: int
     nnodes: int = 1
     node_rank: int = 0
-    coordinator: str | None = None  # HOST:PORT of the service (another node's, or a `jaxft coordinator`)
-    host_coordinator: bool = False  # this agent hosts the service at --coordinator's port
-    gloo_interface: str | None = None  # network interface of the CPU collectives
-    checkpoint_on_stop: bool = False  # on SIGINT/SIGTERM workers save a last checkpoint before exiting
-    nice_restarts: int = 0  # a restarted worker sets up this much nicer, until it joins (jaxft.priority)
-    console: str = "raw"  # progress: logs per process + progress line (the CLI's default); raw: prefixed stream
-    progress_every: float = 10.0  # seconds between plain progress lines when stdout is not a terminal
+    gpus: Sequence[int] | None = None
+    gloo_interface: str | None = None
+    service: Service = Service()
 
     @property
     def total_processes(self) -> int:
@@ -63,32 +85,7 @@ class LaunchConfig:
         """Global id of this node's first worker."""
         return self.node_rank * self.num_processes
 
-    def resolved_timeouts(self) -> Timeouts:
-        """The workers' :class:`~jaxft.Timeouts`: ``--timeout`` settings, then the two shortcuts."""
-        try:
-            return Timeouts().updated(list(self.timeouts)).replace(
-                heartbeat=self.heartbeat_timeout, collective=self.collective_timeout)
-        except TimeoutsError as e:
-            raise LaunchError(str(e)) from None
-
-    def validate(self) -> list[FaultRule]:
-        if self.num_processes < 1:
-            raise LaunchError(f"-n must be >= 1, got {self.num_processes}")
-        if not self.command:
-            raise LaunchError("no worker command given; usage: jaxft launch -n N [options] -- COMMAND ARGS...")
-        exe = self.command[0]
-        if shutil.which(exe) is None:
-            raise LaunchError(f"worker command {exe!r} not found (not on PATH, or not executable)")
-        if self.restart not in RESTART_POLICIES:
-            raise LaunchError(f"--restart must be one of {RESTART_POLICIES}, got {self.restart!r}")
-        if self.restart_delay_s < 0:
-            raise LaunchError("--restart-delay must be >= 0")
-        if self.max_restarts < 0:
-            raise LaunchError("--max-restarts must be >= 0")
-        if self.max_setup_crashes < 0:
-            raise LaunchError("--max-setup-crashes must be >= 0 (0: no limit)")
-        if any(t is not None and t < 1 for t in (self.heartbeat_timeout, self.collective_timeout)):
-            raise LaunchError("--heartbeat-timeout and --collective-timeout must be >= 1 second")
+    def validate(self) -> None:
         if self.gpus is not None and len(self.gpus) != self.num_processes:
             raise LaunchError(f"{len(self.gpus)} GPUs given for {self.num_processes} processes; "
                               "jaxft runs one process per GPU")
@@ -96,28 +93,102 @@ class LaunchConfig:
             raise LaunchError(f"--nnodes must be >= 1, got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise LaunchError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
-        if self.nnodes > 1 and not self.coordinator:
+        if self.nnodes > 1 and not self.service.address:
             raise LaunchError("--nnodes > 1 needs --coordinator HOST:PORT (the node that hosts it passes "
                               "--host-coordinator too; or run jaxft coordinator separately)")
-        if self.host_coordinator and not self.coordinator:
-            raise LaunchError("--host-coordinator needs --coordinator HOST:PORT (the address the workers dial)")
-        if self.coordinator:
-            host, _, port = self.coordinator.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise LaunchError(f"--coordinator must be HOST:PORT, got {self.coordinator!r}")
-        if not 0 <= self.port < 65536:
-            raise LaunchError(f"--port must be in 0..65535 (0: a free one), got {self.port}")
-        if self.grace_s < 0:
-            raise LaunchError(f"--grace must be >= 0, got {self.grace_s:g}")
-        if self.run_dir is not None:
-            check_run_dir(self.run_dir)
+        self.service.validate()
         if self.gloo_interface and (problem := interface_problem(self.gloo_interface)):
             raise LaunchError(f"--gloo-interface: {problem}")
-        self.resolved_timeouts()
+
+
+@dataclasses.dataclass(frozen=True)
+class Shutdown:
+    """How a launch ends its workers (Ctrl-C, SIGTERM, the end of the job).
+
+    Attributes:
+      grace_s: SIGTERM -> SIGKILL bound.
+      checkpoint_on_stop: on SIGINT/SIGTERM the workers save a last checkpoint before exiting.
+    """
+
+    grace_s: float = 5.0
+    checkpoint_on_stop: bool = False
+
+    def validate(self) -> None:
+        if self.grace_s < 0:
+            raise LaunchError(f"--grace must be >= 0, got {self.grace_s:g}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """Where a launch's record goes and what a person sees of it.
+
+    Attributes:
+      run_dir: events, summary, logs and the workers' ``$JAXFT_RUN_DIR`` (checkpoints); None:
+        :func:`default_run_dir` (the launcher fills it in).
+      console: ``raw`` (every worker line, prefixed) or ``progress`` (logs per process + a
+        progress line; the CLI's default).
+      progress_every: seconds between plain progress lines when stdout is not a terminal.
+    """
+
+    run_dir: str | None = None
+    console: str = "raw"
+    progress_every: float = 10.0
+
+    def validate(self) -> None:
+        if self.run_dir is not None:
+            check_run_dir(self.run_dir)
         if self.console not in CONSOLE_MODES:
             raise LaunchError(f"--console must be one of {CONSOLE_MODES}, got {self.console!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """Everything ``jaxft launch`` needs; validated by :meth:`validate`.
+
+    Attributes:
+      command: the worker command.
+      topology: how many workers, where, on which devices, and where the service is.
+      restart: when dead workers come back (:class:`RestartPolicy`, with its decision).
+      shutdown: how the workers are ended.
+      output: the run dir and the console.
+      faults: fault specs to inject (:mod:`jaxft.faults`).
+      timeouts: ``NAME=SECONDS`` settings of :class:`jaxft.Timeouts`, later ones win (``--timeout``).
+      extra_env: set in every worker's environment.
+    """
+
+    command: Sequence[str]
+    topology: Topology
+    restart: RestartPolicy = RestartPolicy()
+    shutdown: Shutdown = Shutdown()
+    output: Output = Output()
+    faults: Sequence[str] = ()
+    timeouts: Sequence[str] = ()
+    extra_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def resolved_timeouts(self) -> Timeouts:
+        """The workers' :class:`~jaxft.Timeouts`: the defaults with the ``timeouts`` settings applied."""
+        try:
+            return Timeouts().updated(list(self.timeouts))
+        except TimeoutsError as e:
+            raise LaunchError(str(e)) from None
+
+    def validate(self) -> list[FaultRule]:
+        """Check every part (a :class:`LaunchError` names the flag at fault); the fault rules."""
+        t = self.topology
+        if t.num_processes < 1:
+            raise LaunchError(f"-n must be >= 1, got {t.num_processes}")
+        if not self.command:
+            raise LaunchError("no worker command given; usage: jaxft launch -n N [options] -- COMMAND ARGS...")
+        exe = self.command[0]
+        if shutil.which(exe) is None:
+            raise LaunchError(f"worker command {exe!r} not found (not on PATH, or not executable)")
+        self.restart.validate()
+        t.validate()
+        self.shutdown.validate()
+        self.output.validate()
+        self.resolved_timeouts()
         rules = parse_rules(list(self.faults))
-        total = self.total_processes
+        total = t.total_processes
         for rule in rules:
             if rule.process is not None and not 0 <= rule.process < total:
                 raise LaunchError(f"fault {rule.spec!r}: process {rule.process} does not exist "

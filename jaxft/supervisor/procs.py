@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+from typing import Literal, overload
 
 
 def _resolve_prctl():
@@ -29,6 +30,27 @@ def _set_pdeathsig() -> None:
     Only a call through the pointer resolved above: no import, no allocation-heavy work."""
     if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@overload
+def _exited(proc: subprocess.Popen, block: Literal[True]) -> int: ...
+@overload
+def _exited(proc: subprocess.Popen, block: bool = False) -> int | None: ...
+def _exited(proc: subprocess.Popen, block: bool = False) -> int | None:
+    """``proc``'s exit status (Popen's convention: -N for signal N) once it has exited, else
+    None; ``block``: wait for the exit. Where it can, it leaves ``proc`` unreaped (a zombie):
+    its pid, and so the id of the process group it leads, cannot be reused before the
+    launcher has killed that group and reaped it (:meth:`jaxft.supervisor.workers.WorkerPool.end_life`)."""
+    if proc.returncode is not None or not hasattr(os, "waitid"):
+        return proc.wait() if block else proc.poll()
+    flags = os.WEXITED | os.WNOWAIT | (0 if block else os.WNOHANG)
+    try:
+        info = os.waitid(os.P_PID, proc.pid, flags)
+    except ChildProcessError:  # reaped already (Popen.poll elsewhere)
+        return proc.wait() if block else proc.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
 def _is_stopped(pid: int) -> bool:

@@ -191,7 +191,7 @@ def plot(events: list[dict], path: str, title: str | None = None) -> str:
 
     # width: members of each committed step, over time
     commits = sorted((e for e in events if e["event"] == Event.COMMIT), key=lambda e: e["time"])
-    first = {}
+    first: dict[int, dict] = {}  # step -> its first commit
     for e in commits:
         first.setdefault(e["step"], e)
     pts = sorted(first.values(), key=lambda e: e["time"])

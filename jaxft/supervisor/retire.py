@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import IO
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class Retirer:
 
     def __init__(self, address: str):
         self.address = address
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen[str] | None = None
         self._ready = threading.Event()
         self._lock = threading.Lock()
 
@@ -50,9 +51,10 @@ class Retirer:
             logger.warning("cannot start the helper that retires dead lives: %s", e)
             return
         self._proc = proc
+        _, stdout = _pipes(proc)
 
         def wait_ready() -> None:
-            if proc.stdout.readline().strip() == "ready":
+            if stdout.readline().strip() == "ready":
                 self._ready.set()
 
         threading.Thread(target=wait_ready, name="jaxft-retirer-start", daemon=True).start()
@@ -66,19 +68,20 @@ class Retirer:
                 return "no helper"
             if not self._ready.is_set():
                 return "the helper is not ready yet"
+            stdin, stdout = _pipes(proc)
             try:
-                proc.stdin.write(f"{int(process_id)}\n")
-                proc.stdin.flush()
+                stdin.write(f"{int(process_id)}\n")
+                stdin.flush()
             except OSError:
                 return "the helper is gone"
             deadline = time.monotonic() + timeout_s
             while True:
-                ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+                ready, _, _ = select.select([stdout], [], [], max(0.0, deadline - time.monotonic()))
                 if not ready:
                     self._proc = None  # (its answer would come late, out of turn: start afresh later)
                     proc.kill()
                     return f"no answer within {timeout_s:g} s"
-                line = proc.stdout.readline()
+                line = stdout.readline()
                 return line.strip() if line else "the helper is gone"
 
     def close(self) -> None:
@@ -86,6 +89,12 @@ class Retirer:
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _pipes(proc: subprocess.Popen[str]) -> tuple[IO[str], IO[str]]:
+    """The helper's stdin and stdout (:meth:`Retirer.start` opens both as pipes)."""
+    assert proc.stdin is not None and proc.stdout is not None, "the helper's stdin and stdout are pipes"
+    return proc.stdin, proc.stdout
 
 
 def main(argv: list[str]) -> int:

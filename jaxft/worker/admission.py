@@ -81,7 +81,8 @@ def started_without(process_id: int, every_s: float = 0.25) -> Callable[[], bool
 def held(votes: np.ndarray, members: Sequence[int]) -> np.ndarray:
     """``votes`` with every non-member's slot set to :data:`HOLD`: this member cannot take a
     joiner in yet (a step program it left still runs on the backend an admission rebuilds;
-    waiting for it there held every member of a chaos run 3.2 s). The members go on at their
+    waiting for it there holds every member until that program ends: seconds in a chaos run,
+    measured: docs/benchmarks.md, 'Figures behind the code'). The members go on at their
     width meanwhile and admit at the first step no member holds."""
     out = np.array(votes, copy=True)
     for p in range(len(out)):

@@ -17,6 +17,7 @@ import os
 import shutil
 import socket
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from jaxft import _compat, protocol
 from jaxft.errors import InitializeError
@@ -65,7 +66,7 @@ def resolve(coordinator_address: str | None, num_processes: int | None, process_
     """The :class:`Placement` of this worker (see the module docstring for the order)."""
     given_args = any(v is not None for v in (coordinator_address, num_processes, process_id, local_device_ids))
     from_jaxft_env = coordinator_address is None and bool(environ.get(protocol.COORDINATOR))
-    fields = {
+    fields: dict[str, Any] = {
         "coordinator_address": coordinator_address if coordinator_address is not None
         else parse_env(environ.get(protocol.COORDINATOR), protocol.COORDINATOR, str),
         "num_processes": num_processes if num_processes is not None
@@ -170,5 +171,6 @@ def check_gloo_reachable(coordinator_address: str, num_processes: int, environ: 
             f"this host's name {name!r} resolves to {address} (loopback), and the coordinator {coordinator_address} "
             "is on another host: CPU collectives (gloo) would advertise the loopback address and peers could not "
             "connect. Fix: name the network interface gloo should use (jaxft launch --gloo-interface IFACE, "
-            f"{protocol.GLOO_INTERFACE}=IFACE, or jaxft.initialize(gloo_interface=...)), or map {name!r} to this "
+            f"{protocol.GLOO_INTERFACE}=IFACE, or jaxft.initialize(options=InitOptions(gloo_interface=...))), "
+            f"or map {name!r} to this "
             "host's address in /etc/hosts.")

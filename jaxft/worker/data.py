@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -17,6 +18,20 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxft.types import PyTree
+
+
+class BatchSource(Protocol):
+    """What the loop trains on: step ``k``'s global batch of :attr:`global_batch` examples
+    (:class:`GlobalBatches`, :class:`jaxft.GrainBatches` or your own). A source that also has
+    ``local_batch(step, positions)`` is asked only for the examples this process's devices
+    hold (:func:`step_batch`)."""
+
+    @property
+    def global_batch(self) -> int:
+        """``G``, examples per step, independent of the number of processes."""
+
+    def batch(self, step: int) -> PyTree:
+        """Step ``step``'s whole global batch ``[G, ...]``."""
 
 
 class GlobalBatches:
@@ -176,7 +191,7 @@ def batch_specs(template: PyTree, mesh, axis_name: str = "data", micro_batch: in
     compile a step for ``mesh`` ahead of time (:mod:`jaxft.worker.warmup`) without the data."""
     layout, sharding = _placement(jax.tree_util.tree_leaves(template)[0].shape[0], mesh, axis_name, micro_batch,
                                   flat, chunk)
-    rows = (layout.num_micro, layout.num_devices * layout.micro_size)
+    rows: tuple[int, ...] = (layout.num_micro, layout.num_devices * layout.micro_size)
     if flat:
         rows = rows[1:]
 

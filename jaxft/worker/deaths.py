@@ -11,9 +11,9 @@ the abandoned query completes on its own at the heartbeat timeout and is ignored
 :class:`Tripwire` does the same for a member inside a step's body: a process that dies
 while the others run the step's collectives is met by gloo only on the pairs that lead to
 it, and a member that waits on a live peer that already gave up would wait out the
-collective timeout (seen: two of three survivors stalled 5 s). The tripwire calls its
-action (the breaker) the moment a member's death is recorded, whatever pair this process
-waits on.
+collective timeout (measured: docs/benchmarks.md, 'Figures behind the code'). The
+tripwire calls its action (the breaker) the moment a member's death is recorded, whatever
+pair this process waits on.
 
 Safety: only an exited OS process is recorded (never a guess from timing), so a slow but
 alive worker is never left out by this; a record counts only against a life that began
@@ -48,7 +48,7 @@ class DeathWatch:
     def __init__(self, state_dir: str | None = None, poll_s: float = 0.005):
         self.state_dir = state_dir if state_dir is not None else os.environ.get(protocol.FAULT_STATE_DIR)
         self.poll_s = poll_s
-        self.since: dict[int, tuple[int, float]] = {}  # process -> (service incarnation, first seen)
+        self.since: dict[int, tuple[int | None, float]] = {}  # process -> (incarnation (None: any), first seen)
         # Queries left waiting for a dead process, by process set: the service keeps each one
         # open (this process counted in) until every live process of the set has asked.
         self._abandoned: dict[tuple[int, ...], concurrent.futures.Future] = {}
@@ -77,14 +77,17 @@ class DeathWatch:
     def _records(self, fresh: bool = False) -> dict[int, float]:
         """:func:`jaxft.protocol.recorded_deaths`, re-read only when the records directory changed (it is polled), or
         ``fresh`` (the caller knows it changed)."""
+        if self.state_dir is None:  # no launcher: no records
+            return {}
+        state_dir = self.state_dir
         try:
-            st = os.stat(os.path.join(self.state_dir, protocol.DEATHS))
+            st = os.stat(os.path.join(state_dir, protocol.DEATHS))
             stamp = (st.st_mtime_ns, st.st_ino)
         except OSError:
             return {}
         with self._lock:
             if fresh or self._stamp != stamp or time.time() - self._read_at > 0.25:
-                self._cache, self._stamp, self._read_at = protocol.recorded_deaths(self.state_dir), stamp, time.time()
+                self._cache, self._stamp, self._read_at = protocol.recorded_deaths(state_dir), stamp, time.time()
             return self._cache
 
     def dead(self, pids: Sequence[int], fresh: bool = False) -> set[int]:
@@ -241,6 +244,7 @@ class Tripwire:
         return owed
 
     def _run_native(self) -> None:
+        assert self._dir is not None
         changed = True
         while True:
             with self._cond:
@@ -293,9 +297,9 @@ class Canceller:
 class _QueryThread:
     """A daemon thread that runs one query at a time and waits for the next once it returns.
 
-    Starting a thread per query cost ~0.2 ms of each step's ~0.85 ms exit query (measured: 2
-    processes, medians of 300 steps); handing a query to a waiting thread costs a lock
-    release. A query that never returns (abandoned: it waits for a dead process) keeps its
+    Starting a thread per query was a sizeable part of each step's exit query (measured:
+    docs/benchmarks.md, 'Figures behind the code'); handing a query to a waiting thread costs a
+    lock release. A query that never returns (abandoned: it waits for a dead process) keeps its
     thread, which is never handed another one; the next query gets another thread."""
 
     IDLE_MAX = 2  # threads kept waiting; more are only ever needed while queries are abandoned
@@ -322,7 +326,9 @@ class _QueryThread:
     def _run(self) -> None:
         while True:
             self._go.acquire()
-            (fn, future), self._job = self._job, None
+            job, self._job = self._job, None
+            assert job is not None  # (set before _go is released)
+            fn, future = job
             try:
                 result, error = fn(), None
             except BaseException as e:  # noqa: BLE001 - handed to the waiter

@@ -1,10 +1,10 @@
 """Sleep until a directory's entries change: inotify on Linux, a plain timeout elsewhere.
 
 What lets :class:`jaxft.worker.deaths.Tripwire` stay armed without polling: a thread that looked at
-the launcher's death records every 10 ms cost each process ~0.27 ms of CPU per ~17 ms step
-(2-3 % of a step in ``jaxft bench overhead`` on a 2-core machine, where every busy thread
-takes from the step's own program); one that sleeps in ``select`` until a record lands
-costs nothing while nobody dies, and wakes the moment one does.
+the launcher's death records every 10 ms cost each process CPU in every step (on a machine
+whose cores the processes share, every busy thread takes from the step's own program;
+measured: docs/benchmarks.md, 'Figures behind the code'); one that sleeps in ``select``
+until a record lands costs nothing while nobody dies, and wakes the moment one does.
 """
 
 from __future__ import annotations

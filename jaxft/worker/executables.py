@@ -1,41 +1,36 @@
 """Compiled step programs that outlive a CPU backend rebuild, shared by a run's processes.
 
-On CPU every rejoin rebuilds the backend (see :mod:`jaxft.worker.membership`), and a rebuild
-empties jax's in-memory caches: each member then traced and lowered its step again before
-the persistent cache could serve the executable, 0.3-0.4 s of the admission step's ~1.1 s
-with four processes on two cores (measured, see docs/design.md). Survivors retrying on a smaller
-mesh paid the same to reach an executable process 0 had compiled ahead (:mod:`jaxft.worker.warmup`).
+On CPU every rejoin rebuilds the backend (:mod:`jaxft.worker.dataplane`), and a rebuild empties jax's
+in-memory caches: each member would trace and lower its step again before the persistent cache could serve
+the executable, and survivors retrying on a smaller mesh would pay the same to reach an executable process
+0 compiled ahead (:mod:`jaxft.worker.warmup`) (measured: docs/benchmarks.md, 'Figures behind the code').
 
 :class:`Executables` compiles each step program ahead of time (``lower(...).compile()``,
 what ``jax.jit`` does on a first call) and keeps it twice: loaded, for the current backend,
 and serialized (``jax.experimental.serialize_executable``), keyed by the mesh's device ids
 and the arguments' shapes and dtypes. After a rebuild the bytes load into the new backend
-in ~15 ms, without tracing. With a directory, process 0's programs are also written there,
-and another process with the same *fingerprint* (a hash of a reference program every process
-lowers alike, the step on every process's devices: same code, same arguments) loads them
-instead of tracing, so survivors of a failure reach the smaller mesh's executable without
-tracing either. (The hash of a process's own first program would not do: a joiner's first
-program is for the mesh it joins, and then it could read none of the others' programs;
-seen as 0.7 s admission steps where the joiner compiled what process 0 had compiled ahead.)
+without tracing. With a directory, process 0's programs are also written there, and another
+process with the same *fingerprint* (a hash of a reference program every process lowers
+alike, the step on every process's devices: same code, same arguments) loads them instead of
+tracing. (Not the hash of a process's own first program: a joiner's is for the mesh it joins.)
 
 A program is compiled once per mesh *width* (and argument signature), not once per device
 set: on CPU, the step for devices (0, 2, 3) lowers to the same module as for (1, 2, 3) (the
 mesh names devices by position), so a program kept for one loads for the other with its
 device assignment replaced (:func:`jaxft._compat.load_compiled`), after checking that the
-two lower alike (the hash of the lowered module; ~0.1 s of tracing against a compile of
-seconds). A thread that needs a program while another thread of this process compiles one
-of the same width and signature waits for that compile instead of compiling beside it: the
-warm-up compiles one program per width, and a retry that needs a width the warm-up is
-compiling takes its program (measured: the first kill's retry compiled its width-3 program
-in 5.3 s while the warm-up compiled another width-3 set beside it, see docs/design.md).
+two lower alike (the hash of the lowered module). A thread that needs a program while another
+thread of this process compiles one of the same width and signature waits for that compile
+instead of compiling beside it (the warm-up compiles one program per width, and a retry that
+needs a width the warm-up is compiling takes its program).
 
-Loading is an optimisation only: any failure to serialize, write, read or load is logged
-and the program is compiled as before. Programs are loaded only from the run's own
-directory, written by its own processes (a serialized executable can run arbitrary code).
+Loading is an optimisation only: any failure to serialize, write, read or load is logged and the program
+is compiled as before. Programs are loaded only from the run's own directory, written by its own processes
+(a serialized executable can run arbitrary code).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -135,8 +130,9 @@ class Executables:
         """Run ``fn(*args)`` (``fn`` jitted) through its compiled program for this mesh.
 
         The program the last call on this mesh ran is tried first: a compiled program checks
-        its arguments' tree, shapes and dtypes before it runs (``TypeError``), so the
-        signature is computed only when they changed (~10 us per leaf in Python, measured)."""
+        its arguments' tree, shapes and dtypes before it runs (``TypeError``), so the signature
+        (Python work per leaf) is computed only when they changed (measured: docs/benchmarks.md,
+        'Figures behind the code')."""
         exe = self._last.get(mesh_ids)
         if exe is not None:
             try:
@@ -182,7 +178,7 @@ class Executables:
                 self._busy.pop(key).set()
         return exe
 
-    def _compile(self, key: Key, fn: Callable, args: Sequence[Any]) -> Any:
+    def _compile(self, key: Key, fn: Any, args: Sequence[Any]) -> Any:
         """Compile ``key``'s program and keep its bytes, unless jax loaded it from its persistent
         cache (serialized again, such a CPU program loses its kernels, see
         :func:`jaxft._compat.compile_fresh`)."""
@@ -216,7 +212,7 @@ class Executables:
             return exe
         finally:
             if marker is not None:
-                with _suppress():
+                with contextlib.suppress(OSError):
                     os.unlink(marker)
 
     def _reassigned(self, key: Key, module: str | None, claim: threading.Event) -> Any:
@@ -270,7 +266,7 @@ class Executables:
             return None
         marker = self._path(key) + ".compiling"
         try:
-            os.makedirs(self.directory, exist_ok=True)
+            os.makedirs(self._shared, exist_ok=True)
             with open(marker, "x") as f:
                 f.write(f"{socket.gethostname()} {os.getpid()}")
         except OSError:  # another process compiles it too (or the directory is read-only)
@@ -340,23 +336,28 @@ class Executables:
         self.loads += 1
         return exe
 
+    @property
+    def _shared(self) -> str:
+        assert self.directory is not None  # (only while sharing)
+        return self.directory
+
     def _path(self, key: Key) -> str:
         name = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
-        return os.path.join(self.directory, f"step-{self._fingerprint}-{name}.pkl")
+        return os.path.join(self._shared, f"step-{self._fingerprint}-{name}.pkl")
 
     def _write(self, key: Key, program: Program) -> None:
         path = self._path(key)
         if os.path.exists(path):
             return
         try:
-            os.makedirs(self.directory, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+            os.makedirs(self._shared, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self._shared, prefix=".tmp-")
             with os.fdopen(fd, "wb") as f:
                 pickle.dump((repr(key), program), f, protocol=pickle.HIGHEST_PROTOCOL)
             os.replace(tmp, path)  # readers never see half a file
         except Exception as e:  # noqa: BLE001 - e.g. a tree node that does not pickle
             logger.debug("could not share the step program for %s: %s", key[0], e)
-            with _suppress():
+            with contextlib.suppress(OSError, NameError):  # (NameError: mkstemp itself failed)
                 os.unlink(tmp)
 
     def _read(self, key: Key) -> Program | None:
@@ -375,16 +376,14 @@ class Executables:
 def shared_dir() -> str | None:
     """Where a run's processes share step programs: beside jax's persistent compilation cache
     (``jaxft.initialize`` puts that under the run directory), or None without one."""
-    cache = jax.config.jax_compilation_cache_dir
+    cache = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # (jax's flags: no stubs)
     return os.path.join(cache, "jaxft-steps") if cache else None
 
 
 def _read_text(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open(path) as f:
+        return f.read()
+    return None
 
 
 def _gone(owner: str) -> bool:
@@ -399,11 +398,3 @@ def _gone(owner: str) -> bool:
     except OSError:
         return False
     return False
-
-
-class _suppress:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return True

@@ -15,8 +15,8 @@ Needs ``pip install 'jaxft[grain]'``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -29,6 +29,15 @@ def _stack(examples: Sequence[Any]):
     return jax.tree_util.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *examples)
 
 
+class RandomAccessSource(Protocol):
+    """What :class:`GrainBatches` reads: a length and an example per index (a Grain data
+    source, a list, a ``MapDataset``)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int, /) -> Any: ...
+
+
 class GrainBatches:
     """Maps a step number to the same global batch of ``global_batch`` examples of ``source``.
 
@@ -39,11 +48,12 @@ class GrainBatches:
       seed: seed of Grain's per-epoch shuffle.
       shuffle: if False, examples are taken in order.
       transform: applied to each example after loading (Grain ``map``), e.g. decoding.
-      num_threads, prefetch: Grain read threads and prefetch buffer (in steps).
+      num_threads: Grain read threads.
+      prefetch: Grain's prefetch buffer (in steps).
       worker_count: Grain worker processes (0: load in this process).
     """
 
-    def __init__(self, source, global_batch: int, seed: int = 0, shuffle: bool = True,
+    def __init__(self, source: RandomAccessSource, global_batch: int, seed: int = 0, shuffle: bool = True,
                  transform: Callable[[Any], Any] | None = None, num_threads: int = 2, prefetch: int = 4,
                  worker_count: int = 0):
         import grain
@@ -66,7 +76,7 @@ class GrainBatches:
         self._options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch)
         self._workers = worker_count
         self._key: tuple | None = None  # (positions, next step) of the live pipeline
-        self._it = None
+        self._it: Iterator[Any] | None = None
 
     def example(self, position: int):
         """The example at global position ``position`` (step ``position // G``)."""
@@ -79,15 +89,15 @@ class GrainBatches:
 
     def local_batch(self, step: int, positions: np.ndarray):
         """The examples at ``positions`` (in ``[0, G)``) of step ``step``, stacked ``[len, ...]``."""
-        positions = tuple(int(p) for p in positions)
-        if not positions:  # every slot of this process is padding: empty arrays of the right kind
+        wanted = tuple(int(p) for p in positions)
+        if not wanted:  # every slot of this process is padding: empty arrays of the right kind
             import jax
 
             return jax.tree_util.tree_map(lambda x: x[:0], _stack([self.example(step * self.global_batch)]))
-        if self._key != (positions, step):
-            self._it = self._pipeline(step, positions)
+        if self._it is None or self._key != (wanted, step):
+            self._it = self._pipeline(step, wanted)
         out = next(self._it)
-        self._key = (positions, step + 1)
+        self._key = (wanted, step + 1)
         return out
 
     def _pipeline(self, start: int, positions: tuple[int, ...]):

@@ -22,21 +22,22 @@ and every other member waits for it at the next barrier. jaxft bounds that wait:
 
 A step whose member the launcher recorded dead (:meth:`HangMonitor.doomed`, called by the
 step's tripwire, see :mod:`jaxft.worker.deaths`) fails anyway, and its collectives usually fail
-within milliseconds once the data plane is broken (:mod:`jaxft.worker.breaker`). Not always: gloo
-(as bundled with jaxlib) leaves a send it had queued on a connection that failed meanwhile
-pending until the collective timeout (``Timeouts.collective``; measured: one survivor of
-four kills in the issue-13 schedule waited it out, ``Timed out waiting 5000ms for send
-operation to complete``, and every other survivor waited for it). Nothing can wake that
-wait from outside, so such a member leaves instead: still inside the doomed step
+within milliseconds once the data plane is broken (:mod:`jaxft.worker.breaker`). Not always:
+gloo (as bundled with jaxlib) leaves a send it had queued on a connection that failed meanwhile
+pending until the collective timeout (``Timeouts.collective``; seen in the issue-13 schedule:
+``Timed out waiting 5000ms for send operation to complete``, every other survivor waiting for
+it; measured: docs/benchmarks.md, 'Figures behind the code'). Nothing can wake that wait from
+outside, so such a member leaves instead: still inside the doomed step
 ``max(Timeouts.stuck, 2 x the recent median step)`` after the death, while another member
 waits for it, it leaves the step's program running in its worker thread and fails the step
-like the others (:mod:`jaxft.worker.runner`; the ``abandoned`` event); if its main thread is not
-waiting for a program (stuck elsewhere) or has not left the step :data:`ABANDON_GRACE_S`
-later, it exits :data:`EXIT_HUNG` like a hung process and rejoins after its restart. A long
-step (one that admits a joiner or compiles) is left the same way from its program, but never
-ended by that exit: its main thread may be compiling (seen: a joiner killed in its admission
-step held every survivor until the 5 s collective timeout).
-If every member is stuck, nobody waits and nobody leaves (the collective timeout ends it).
+like the others
+(:mod:`jaxft.worker.runner`; the ``abandoned`` event); if its main thread is not waiting for a
+program (stuck elsewhere) or has not left the step :data:`ABANDON_GRACE_S` later, it exits
+:data:`EXIT_HUNG` like a hung process and rejoins after its restart. A long step (one that
+admits a joiner or compiles) is left the same way from its program, but never ended by that
+exit: its main thread may be compiling (seen: a joiner killed in its admission step held every
+survivor until the 5 s collective timeout). If every member is stuck, nobody waits and nobody
+leaves (the collective timeout ends it).
 
 A process stuck in native code that holds the GIL cannot run this thread; the others'
 barrier watchdog (``Timeouts.barrier``) remains the bound there.
@@ -78,7 +79,7 @@ class HangMonitor:
       poll_s: how often the monitor thread looks.
     """
 
-    def __init__(self, process_id: int, timeouts: Timeouts, on_hung: Callable[[dict], None] | None = None,
+    def __init__(self, process_id: int, timeouts: Timeouts, on_hung: Callable[[dict], object] | None = None,
                  poll_s: float = 0.5):
         self.process_id = process_id
         self.timeouts = timeouts
@@ -136,6 +137,12 @@ class HangMonitor:
         length out of the median step time)."""
         with self._lock:
             self._long = self._step_long = True
+
+    def watch(self, on_hung: Callable[[dict], object], abandon: Callable[[dict], bool]) -> None:
+        """A run begins: ``on_hung(info)`` is told when this process is found hung, and
+        ``abandon(info)`` may leave a doomed step's program (True: it did)."""
+        self.finished(False)
+        self.on_hung, self.abandon = on_hung, abandon
 
     def finished(self, value: bool = True) -> None:
         """The run is over (nobody will wait for this process any more), or a new one starts."""

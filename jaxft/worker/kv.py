@@ -9,6 +9,7 @@ setting that its error names.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import threading
@@ -111,6 +112,22 @@ class Heartbeat:
 
 # -- a barrier that gives up on dead members ---------------------------------------------------
 
+@dataclasses.dataclass(frozen=True)
+class BarrierOptions:
+    """What a :class:`KVBarrier` is for and the bounds it gives up by.
+
+    The three bounds are names of :class:`~jaxft.timeouts.Timeouts` settings (read from the
+    barrier's ``timeouts``), so every message that one ends names the setting to raise.
+    """
+
+    what: str = "barrier"  # what its messages call the operation ("save", "reset")
+    dead_after: str = "save_dead_after"  # a missing member whose heartbeat stalls this long is dead
+    unknown_after: str = "save_barrier"  # ... and one that reached no barrier of the namespace this long
+    timeout_name: str = "save"  # the setting the caller's ``timeout_ms`` comes from
+    poll_s: float = 0.005  # first poll interval, growing 1.5x per poll ...
+    max_poll_s: float = 0.05  # ... up to this
+
+
 class KVBarrier:
     """A barrier on the coordination service's key-value store that gives up on dead members.
 
@@ -122,15 +139,17 @@ class KVBarrier:
 
     * ``cancel`` is set (a member is known to have died), or
     * a member gave up (:meth:`abandon`), or
-    * a missing member's heartbeat stopped for ``timeouts.<dead_after>`` (its nonce is
-      learnt from an earlier barrier of the same namespace), or
-    * a missing member reached no barrier of the namespace within ``timeouts.<unknown_after>``;
+    * a missing member's heartbeat stopped for ``timeouts.<options.dead_after>`` (its nonce
+      is learnt from an earlier barrier of the same namespace), or
+    * a missing member reached no barrier of the namespace within
+      ``timeouts.<options.unknown_after>``;
     * (with ``lives``, the member map the barrier is for) a missing member's life is over
       (:mod:`jaxft.worker.lives`: it restarted, or the launcher recorded its exit), and its
       heartbeat is watched from the start (the nonce its life registered);
 
     and raises :class:`~jaxft.errors.BarrierTimeout` after ``timeout_ms`` (which the
-    caller takes from ``timeouts.<timeout_name>``). Every message that such a bound ends names it.
+    caller takes from ``timeouts.<options.timeout_name>``). Every message that such a bound
+    ends names it. ``options`` (:class:`BarrierOptions`) name the barrier and its bounds.
 
     Every member of one barrier instance (``<namespace>/<key>/<n>``) gets the same outcome:
     its decision key ``<namespace>/<key>/<n>/decision`` is created once, first writer wins,
@@ -148,19 +167,16 @@ class KVBarrier:
     abandoned_error: type[BarrierAbandoned] = BarrierAbandoned  # what "gave up on a dead member" raises
 
     def __init__(self, namespace: str, processes: Sequence[int], me: int, cancel: threading.Event | None = None, *,
-                 timeouts: Timeouts | None = None, what: str = "barrier", dead_after: str = "save_dead_after",
-                 unknown_after: str = "save_barrier", timeout_name: str = "save", poll_s: float = 0.005,
-                 max_poll_s: float = 0.05, lives: Mapping[int, int] | None = None):
+                 timeouts: Timeouts | None = None, options: BarrierOptions = BarrierOptions(),
+                 lives: Mapping[int, int] | None = None):
         self.namespace = namespace
         self.processes = frozenset(processes)
         self.me = me
         self.cancel = cancel if cancel is not None else threading.Event()
         self.timeouts = timeouts if timeouts is not None else _timeouts.current()
-        self.what = what
-        self.dead_after, self.unknown_after, self.timeout_name = dead_after, unknown_after, timeout_name
-        self.dead_after_s = float(getattr(self.timeouts, dead_after))
-        self.unknown_after_s = float(getattr(self.timeouts, unknown_after))
-        self.poll_s, self.max_poll_s = poll_s, max_poll_s
+        self.options = options
+        self.dead_after_s = float(getattr(self.timeouts, options.dead_after))
+        self.unknown_after_s = float(getattr(self.timeouts, options.unknown_after))
         self.nonces: dict[int, str] = {}
         self._beats: dict[str, tuple[str | None, float]] = {}  # nonce -> (value, when it last changed)
         self._counts: dict[str, int] = {}
@@ -200,8 +216,8 @@ class KVBarrier:
         nonce = self.nonces.get(process)
         if nonce is None:
             if now - self._created > self.unknown_after_s:
-                return (f"process {process} reached no barrier of this {self.what} in "
-                        f"{self.unknown_after_s:.0f} s ({self.timeouts.describe(self.unknown_after)})")
+                return (f"process {process} reached no barrier of this {self.options.what} in "
+                        f"{self.unknown_after_s:.0f} s ({self.timeouts.describe(self.options.unknown_after)})")
             return None
         value = try_get(Heartbeat.key(nonce), c)
         with self._lock:
@@ -211,18 +227,18 @@ class KVBarrier:
                 return None
         if now - since > self.dead_after_s:
             return (f"process {process} stopped heartbeating {now - since:.1f} s ago "
-                    f"({self.timeouts.describe(self.dead_after)})")
+                    f"({self.timeouts.describe(self.options.dead_after)})")
         return None
 
-    def _cancel_reason(self, missing: set[int] | None) -> str:
+    def _cancel_reason(self, missing: frozenset[int] | None) -> str:
         """Why a barrier whose ``cancel`` is set gives up: the dead the canceller named
         (:class:`jaxft.worker.deaths.Canceller`), else those still missing, else no names."""
         dead = getattr(self.cancel, "dead", None) or missing
         if dead:
             return f"processes {sorted(dead)} died before arriving"
-        return f"{self.what} abandoned"
+        return f"{self.options.what} abandoned"
 
-    def _cancelled(self, key: str, missing: set[int] | None) -> Exception:
+    def _cancelled(self, key: str, missing: frozenset[int] | None) -> Exception:
         """The error of a barrier whose ``cancel`` is set (see :meth:`_cancel_reason`)."""
         return self.abandoned_error(f"barrier {key}: {self._cancel_reason(missing)}")
 
@@ -242,7 +258,7 @@ class KVBarrier:
                 self.nonces.setdefault(p, v)
         return arrived, decision
 
-    def _give_up(self, c: Any, missing: set[int], timeout_ms: int,
+    def _give_up(self, c: Any, missing: frozenset[int], timeout_ms: int,
                  deadline: float) -> tuple[type[Exception], str] | None:
         """Why to stop waiting for ``missing`` (the error type and the reason), or None."""
         if self.cancel.is_set():
@@ -250,7 +266,8 @@ class KVBarrier:
         given_up = c.key_value_dir_get(f"{self.namespace}/abandoned/")
         if given_up:
             k, why = given_up[0]
-            return self.abandoned_error, f"process {k.rstrip('/').rsplit('/', 1)[-1]} abandoned the {self.what} ({why})"
+            who = k.rstrip("/").rsplit("/", 1)[-1]
+            return self.abandoned_error, f"process {who} abandoned the {self.options.what} ({why})"
         now = time.monotonic()
         for p in sorted(missing):
             why = self._dead(c, p, now)
@@ -258,7 +275,7 @@ class KVBarrier:
                 return self.abandoned_error, why
         if now > deadline:
             return BarrierTimeout, (f"processes {sorted(missing)} did not arrive within {timeout_ms / 1000:.0f} s "
-                                    f"({self.timeouts.describe(self.timeout_name)})")
+                                    f"({self.timeouts.describe(self.options.timeout_name)})")
         return None
 
     def _decide(self, c: Any, base: str, wanted: str) -> tuple[str, bool]:
@@ -296,7 +313,7 @@ class KVBarrier:
         base = f"{self.namespace}/{key}/{n}/"
         c.key_value_set(base + str(self.me), nonce, allow_overwrite=True)
         deadline = time.monotonic() + max(timeout_ms, 1) / 1000
-        delay = self.poll_s
+        delay = self.options.poll_s
         try:
             while True:
                 arrived, decision = self._poll(c, base)
@@ -314,7 +331,7 @@ class KVBarrier:
                     self._follow(key, n, decision)
                     return
                 time.sleep(delay)
-                delay = min(delay * 1.5, self.max_poll_s)
+                delay = min(delay * 1.5, self.options.max_poll_s)
         except (self.abandoned_error, TimeoutError) as e:
             self.abandon(str(e))
             raise

@@ -19,11 +19,14 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import numpy as np
 
 from jaxft.core.rejoin import donor, reference
+from jaxft.errors import StateMismatch
+from jaxft.protocol import Event
 from jaxft.types import PyTree
 from jaxft.worker import kv, transfer
 
@@ -140,3 +143,71 @@ def rehydrate(step: int, state: PyTree, members, me: int, steps: Mapping[int, in
         info = Rehydration(step=latest, from_step=steps[me], donor=source, bytes=transfer.tree_nbytes(payload),
                            seconds=round(time.perf_counter() - t0, 4))
     return int(got["step"]), got["state"], info
+
+
+class Refused(Exception):
+    """Members whose state does not match the members' left a step untouched (they exit)."""
+
+    def __init__(self, processes: list[int]):
+        super().__init__(f"processes {processes} hold a state that does not match the members'; they leave")
+        self.processes = processes
+
+
+class StateSync:
+    """One loop's side of the rejoin: its state's signature, published once per life by the
+    lowest member, checked by a restart before it asks to be admitted, and agreed in every step
+    that brings members together (:func:`agree`, then :func:`rehydrate`)."""
+
+    def __init__(self, group: Any, events: Any, faults: Any):
+        self.group, self.events, self.faults = group, events, faults
+        self._signature: Signature | None = None
+        self._published = False
+
+    def signature(self, state: PyTree) -> Signature:
+        """The structure of the loop's state, computed once (a restore or a rehydration brings
+        values, never a new structure: both check it)."""
+        if self._signature is None:
+            self._signature = Signature.of(state)
+        return self._signature
+
+    def sync(self, step: int, state: PyTree, members: Any) -> tuple[int, PyTree, Rehydration | None]:
+        """Agree on the step and the state's structure; bring members behind the latest step to the
+        donor's. A member whose structure differs from the reference (a restart with another
+        model) is refused before anything moves: it raises :class:`~jaxft.errors.StateMismatch` (a
+        configuration error: it exits 78, not restarted); the others raise :class:`Refused`, leave
+        the step untouched and go on."""
+        me = self.group.process_id
+        agreed = agree(step, self.group.generation, self.signature(state), members)
+        self.group.adopt_generation(agreed.generation)
+        if agreed.refused:
+            self.events.log(Event.STATE_MISMATCH, step=step, refused=list(agreed.refused), donor=agreed.donor)
+            if me in agreed.refused:
+                raise StateMismatch(f"process {me}'s state does not match the running members' (process "
+                                    f"{agreed.donor}'s): its structure differs (treedef, shapes or dtypes); start "
+                                    "every process with the same model and optimizer")
+            raise Refused(list(agreed.refused))
+        return rehydrate(step, state, members, me, agreed.steps,
+                         on_start=lambda: self.faults.point("during-rehydrate", step))
+
+    def joined(self, rehydrated: Rehydration) -> None:
+        """The step that rehydrated this process committed: the ``join`` and ``rehydrated`` events."""
+        self.events.log(Event.JOIN, step=rehydrated.from_step, process=self.group.process_id)
+        self.events.log(Event.REHYDRATED, **dataclasses.asdict(rehydrated))
+
+    def publish(self, process_ids: tuple[int, ...], state: PyTree) -> None:
+        """Once per life, the lowest member publishes the structure (ready admission, several processes)."""
+        if self._published or self.group.admission != "ready" or jax.process_count() == 1:
+            return
+        self._published = True
+        if self.group.process_id == min(process_ids):
+            publish_signature(self.signature(state))
+
+    def check_before_admission(self, state: PyTree) -> None:
+        """A restart, before it tells the members it is ready: a structure other than the one they
+        published is refused here, before anything moves (one line, exit 78)."""
+        published = published_signature()
+        mine = self.signature(state)
+        if published is not None and published.digest != mine.digest:
+            raise StateMismatch(f"process {self.group.process_id}'s state does not match the running members': "
+                                f"{mine.difference(published)}; start every process with the same model and "
+                                "optimizer")

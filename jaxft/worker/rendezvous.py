@@ -1,16 +1,16 @@
 """Connect a member set's gloo communicator the moment its members are known to be alive.
 
-On CPU, XLA opens a gloo communicator per device list lazily, at the first collective over
-that list: every member writes its address under ``cpu:gloo/<device ids>/<rank>`` in the
+On CPU, XLA opens a gloo communicator per device list lazily, at the first collective over that
+list: every member writes its address under ``cpu:gloo/<device ids>/<rank>`` in the
 coordination service and reads the others', each read bounded by gloo's fixed 30 s (no
-setting). A member that dies after its peers passed the last barrier and before it wrote
-its key leaves them in that read for 30 s, out of reach of jaxft's death watch (they are
-inside one C++ call). Before, the window was everything a step did before its first
-collective: building the batch, loading or compiling the step, the rejoin transfer (0.2 s
-and more). The function :func:`compile_for` returns runs a one-element all-reduce over the
-list; called right after the barrier, from a program compiled before it, it writes the keys
-within microseconds of the barrier, and the step's own collectives reuse the connected
-communicator (gloo caches it per device list). A list within one process has no
+setting). A member that dies after its peers passed the last barrier and before it wrote its
+key leaves them in that read for 30 s, out of reach of jaxft's death watch (they are inside one
+C++ call). Before, the window was everything a step did before its first collective: building
+the batch, loading or compiling the step, the rejoin transfer (measured: docs/benchmarks.md,
+'Figures behind the code'). The function :func:`compile_for` returns runs a one-element
+all-reduce over the list; called right after the barrier, from a program compiled before it, it
+writes the keys within microseconds of the barrier, and the step's own collectives reuse the
+connected communicator (gloo caches it per device list). A list within one process has no
 rendezvous (nothing is compiled).
 """
 

@@ -8,16 +8,16 @@ timeout (``Timeouts.collective``; see :mod:`jaxft.worker.hang`). Nothing outside
 wait. Before, such a member exited (``EXIT_HUNG``), was restarted and rejoined: one more
 restart per kill inside a step, and at small widths the run fell to one member.
 
-XLA:CPU runs two programs of one process at once when they are called from two threads
-(measured: a program called while another one is blocked completes at once). So the step's
-program is called and awaited in a worker thread; the main thread waits for either its
-result or :meth:`StepRunner.abandon` (sent by the hang monitor once the step is doomed and
-the bound ``Timeouts.stuck`` passed while others wait). On abandon the main thread raises
-:class:`Abandoned`, the step fails like any step a member died in, and the retry runs on a
-fresh worker thread and a fresh gloo communicator (a new device list), while the abandoned
-program finishes in the background when gloo's timeout fires (its result is dropped). A
-backend rebuild first waits for abandoned programs (:meth:`StepRunner.drain`), since the
-backend must not be torn down under a running program.
+XLA:CPU runs two programs of one process at once when they are called from two threads: a
+program called while another one is blocked completes at once (measured: docs/benchmarks.md,
+'Figures behind the code'). So the step's program is called and awaited in a worker thread; the
+main thread waits for either its result or :meth:`StepRunner.abandon` (sent by the hang monitor
+once the step is doomed and the bound ``Timeouts.stuck`` passed while others wait). On abandon
+the main thread raises :class:`Abandoned`, the step fails like any step a member died in, and
+the retry runs on a fresh worker thread and a fresh gloo communicator (a new device list),
+while the abandoned program finishes in the background when gloo's timeout fires (its result is
+dropped). A backend rebuild first waits for abandoned programs (:meth:`StepRunner.drain`),
+since the backend must not be torn down under a running program.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ class Abandoned(Exception):
 class _Worker:
     """One daemon thread running one job at a time until it is abandoned.
 
-    The hand-offs are two plain locks (measured: ~40 us per step more than a direct call; a
-    ``queue.Queue`` each way cost ~170 us). ``state`` goes from ``"running"`` to ``"done"``
-    (the worker) or ``"abandoned"`` (:meth:`StepRunner.abandon`), whichever comes first, under
-    the runner's lock; that one releases ``done``."""
+    The hand-offs are two plain locks, a few times cheaper than a ``queue.Queue`` each way
+    (measured: docs/benchmarks.md, 'Figures behind the code'). ``state`` goes from
+    ``"running"`` to ``"done"`` (the worker) or ``"abandoned"`` (:meth:`StepRunner.abandon`),
+    whichever comes first, under the runner's lock; that one releases ``done``."""
 
     def __init__(self, name: str, lock: threading.Lock) -> None:
         self._lock = lock
@@ -60,6 +60,8 @@ class _Worker:
         while True:
             self.go.acquire()
             job = self.job
+            if job is None:  # left, and its wait done, before this thread took it up: nothing to run
+                return
             try:
                 result = ("done", job())
             except BaseException as e:  # noqa: BLE001 - handed to the caller

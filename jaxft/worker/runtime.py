@@ -9,21 +9,20 @@ import logging
 import math
 import os
 import shlex
-import signal
-import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import MutableMapping, Sequence
+from typing import Any
 
 from jaxft import _compat, protocol
 from jaxft import timeouts as timeouts_lib
-from jaxft.errors import ConfigError, InitializeError, TimeoutsError
+from jaxft.errors import InitializeError, TimeoutsError
 from jaxft.events import EventLog
 from jaxft.faults import FaultInjector, FaultRule
 from jaxft.net import interface_problem, wait_reachable
-from jaxft.protocol import EXIT_CONFIG_ERROR, Event
+from jaxft.protocol import Event
 from jaxft.timeouts import Timeouts
-from jaxft.worker import breaker, cluster, stopping
+from jaxft.worker import breaker, cluster, exits
+from jaxft.worker.options import InitOptions
 
 # From the JAX fault-tolerance guide: NCCL errors must not terminate the process, and
 # collectives must be abortable when a participant dies (GPU only; ignored on CPU).
@@ -48,18 +47,41 @@ _LOCAL_COORDINATOR = None  # the private service of a single-process run
 class Runtime:
     """What a worker knows about itself after :func:`initialize`."""
 
-    process_id: int
-    num_processes: int
+    placement: cluster.Placement  # who it is in which job (resolved: no field left None but the devices)
     incarnation: int
-    coordinator_address: str
-    external_coordinator: bool
-    heartbeat_timeout: int
-    collective_timeout: int
     run_dir: str | None
     events: EventLog
     faults: FaultInjector
     timeouts: Timeouts = dataclasses.field(default_factory=Timeouts)
-    source: str = "explicit"  # where the settings came from: see jaxft.worker.cluster.SOURCES
+
+    @property
+    def process_id(self) -> int:
+        return int(self.placement.process_id or 0)
+
+    @property
+    def num_processes(self) -> int:
+        return int(self.placement.num_processes or 1)
+
+    @property
+    def coordinator_address(self) -> str:
+        return str(self.placement.coordinator_address)
+
+    @property
+    def external_coordinator(self) -> bool:
+        return bool(self.placement.external_coordinator)
+
+    @property
+    def source(self) -> str:
+        """Where the settings came from: see :data:`jaxft.worker.cluster.SOURCES`."""
+        return self.placement.source
+
+    @property
+    def heartbeat_timeout(self) -> int:
+        return int(self.timeouts.heartbeat)
+
+    @property
+    def collective_timeout(self) -> int:
+        return int(self.timeouts.collective)
 
 
 def merge_xla_flags(existing: str, wanted: dict[str, str]) -> str:
@@ -87,16 +109,9 @@ def initialize(coordinator_address: str | None = None,
                process_id: int | None = None,
                local_device_ids: Sequence[int] | None = None,
                *,
-               external_coordinator: bool | None = None,
-               heartbeat_timeout: int | None = None,
-               collective_timeout: int | None = None,
-               initialization_timeout: int | None = None,
-               run_dir: str | None = None,
                timeouts: Timeouts | None = None,
-               gloo_interface: str | None = None,
-               wait_until_forgotten: bool = True,
-               compilation_cache: str | bool | None = None,
-               environ=os.environ) -> Runtime:
+               options: InitOptions = InitOptions(),
+               environ: MutableMapping[str, str] = os.environ) -> Runtime:
     """Initialize multi-controller JAX so that processes can fail and come back.
 
     Wraps ``jax.distributed.initialize``: turns on ``jax_enable_recoverability``, merges
@@ -114,15 +129,15 @@ def initialize(coordinator_address: str | None = None,
     JAX (its death then ends the job; run ``jaxft coordinator`` as its own job step and set
     ``JAXFT_COORDINATOR_ADDRESS`` to avoid that).
 
-    ``gloo_interface`` (or ``JAXFT_GLOO_INTERFACE``) names the network interface CPU
+    ``options.gloo_interface`` (or ``JAXFT_GLOO_INTERFACE``) names the network interface CPU
     collectives use; needed where this host's name resolves to loopback.
-    ``timeouts`` sets every bound at once (:class:`~jaxft.Timeouts`); the
-    ``*_timeout`` arguments override its fields. The result becomes this process's
-    settings (:func:`jaxft.timeouts.current`), read by every later wait.
+    ``timeouts`` sets every bound (:class:`~jaxft.Timeouts`; None: ``$JAXFT_TIMEOUTS``, else
+    the defaults). It becomes this process's settings (:func:`jaxft.timeouts.current`), read
+    by every later wait.
 
-    With ``external_coordinator=True`` (what ``jaxft launch`` and ``jaxft coordinator``
+    With ``options.external_coordinator=True`` (what ``jaxft launch`` and ``jaxft coordinator``
     provide) no worker starts the service, so any worker, process 0 included, can die
-    without taking the others with it. With ``external_coordinator=False`` it behaves
+    without taking the others with it. With ``False`` it behaves
     like plain ``jax.distributed.initialize``: process 0 hosts the service, and its death
     ends the job.
 
@@ -130,18 +145,19 @@ def initialize(coordinator_address: str | None = None,
     a single process with a private coordination service, so the same program works
     without ``jaxft launch``.
 
-    With ``wait_until_forgotten`` (default; what ready admission, the default of
+    With ``options.wait_until_forgotten`` (default; what ready admission, the default of
     ``ElasticLoop`` and ``ElasticTrainer``, needs), a restarted process connects only once the
     service has declared its previous incarnation dead, so the survivors never wait for its
     set-up (``jaxft launch`` says when it died; without that, no wait). ``False`` connects at
     once: for ``ElasticGroup(admission="connect")``, where the members wait for a restarted
     process anyway.
 
-    ``compilation_cache``: a directory for jax's persistent compilation cache shared by the
+    ``options.compilation_cache``: a directory for jax's persistent compilation cache shared by the
     run's processes (a joiner, a restarted process and survivors returning to a width they
-    ran before load executables instead of compiling them; measured to serve CPU
-    executables on jax 0.10.2); None (default) uses ``<run_dir>/xla_cache`` when there is
-    a run directory and the user set no cache of their own; False turns it off.
+    ran before load executables instead of compiling them, CPU executables included;
+    measured: docs/benchmarks.md, 'Figures behind the code'); None (default) uses
+    ``<run_dir>/xla_cache`` when there is a run directory and the user set no cache of their
+    own; False turns it off.
 
     Must be called before anything starts a JAX backend (``jax.devices()``, any
     computation): XLA reads its flags only once.
@@ -161,19 +177,15 @@ def initialize(coordinator_address: str | None = None,
                               "instead of jax.distributed.initialize().")
 
     try:
-        base = timeouts if timeouts is not None else Timeouts.from_env(environ)
-        timeouts = base.replace(heartbeat=heartbeat_timeout, collective=collective_timeout,
-                                initialization=initialization_timeout)
+        timeouts = timeouts if timeouts is not None else Timeouts.from_env(environ)
     except TimeoutsError as e:
         raise InitializeError(str(e)) from None
     heartbeat_timeout, collective_timeout = int(timeouts.heartbeat), int(timeouts.collective)
     initialization_timeout = timeouts.initialization
-    run_dir = run_dir or environ.get(protocol.RUN_DIR) or None
+    run_dir = options.run_dir or environ.get(protocol.RUN_DIR) or None
     incarnation = cluster.parse_env(environ.get(protocol.INCARNATION), protocol.INCARNATION, int) or 0
     place = cluster.resolve(coordinator_address, num_processes, process_id, local_device_ids,
-                            external_coordinator, initialization_timeout, environ)
-    num_processes, process_id, local_device_ids = place.num_processes, place.process_id, place.local_device_ids
-    coordinator_address, external_coordinator = place.coordinator_address, place.external_coordinator
+                            options.external_coordinator, initialization_timeout, environ)
     if place.single_process:
         # Plain single-process run (no launcher, no cluster): host a private one-process
         # service so the same elastic code runs unchanged.
@@ -181,7 +193,10 @@ def initialize(coordinator_address: str | None = None,
         from jaxft.coordinator import Coordinator
 
         _LOCAL_COORDINATOR = Coordinator(1, heartbeat_timeout=heartbeat_timeout)
-        coordinator_address = _LOCAL_COORDINATOR.address
+        place = dataclasses.replace(place, coordinator_address=_LOCAL_COORDINATOR.address)
+    coordinator_address, external_coordinator = str(place.coordinator_address), place.external_coordinator
+    num_processes, process_id = int(place.num_processes or 0), int(place.process_id or 0)
+    local_device_ids = place.local_device_ids
     host, _, port = coordinator_address.rpartition(":")
     if not host or not port.isdigit():
         raise InitializeError(f"coordinator address {coordinator_address!r} is not host:port")
@@ -190,7 +205,7 @@ def initialize(coordinator_address: str | None = None,
     if not 0 <= process_id < num_processes:
         raise InitializeError(f"process_id must be in [0, {num_processes}), got {process_id}")
 
-    gloo_interface = gloo_interface or environ.get(protocol.GLOO_INTERFACE) or None
+    gloo_interface = options.gloo_interface or environ.get(protocol.GLOO_INTERFACE) or None
     gloo_hostname = environ.get(protocol.GLOO_HOSTNAME) or None
     if gloo_interface is None and gloo_hostname is None:
         cluster.check_gloo_reachable(coordinator_address, num_processes, environ)
@@ -198,7 +213,7 @@ def initialize(coordinator_address: str | None = None,
         raise InitializeError(f"gloo_interface: {problem}")
 
     configure_environment(collective_timeout, environ)
-    _configure_compilation_cache(compilation_cache, run_dir, environ)
+    _configure_compilation_cache(options.compilation_cache, run_dir, environ)
     jax.config.update("jax_enable_recoverability", True)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # A peer that dies while the CPU backends exchange topologies would otherwise leave
@@ -207,7 +222,7 @@ def initialize(coordinator_address: str | None = None,
     jax.config.update("jax_cpu_get_local_topology_timeout_minutes", max(1, topology_minutes // 2))
     jax.config.update("jax_cpu_get_global_topology_timeout_minutes", topology_minutes)
 
-    kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
+    kwargs: dict[str, Any] = dict(coordinator_address=coordinator_address, num_processes=num_processes,
                   process_id=process_id, heartbeat_timeout_seconds=int(heartbeat_timeout),
                   initialization_timeout=max(1, int(initialization_timeout)))
     if local_device_ids is not None:
@@ -219,7 +234,7 @@ def initialize(coordinator_address: str | None = None,
     if gloo_interface is not None or gloo_hostname is not None:
         _compat.use_gloo_address(interface=gloo_interface, hostname=gloo_hostname)
     waited = 0.0
-    if wait_until_forgotten and protocol.peers_may_run(environ) is not False:  # False: no member to hold up
+    if options.wait_until_forgotten and protocol.peers_may_run(environ) is not False:  # False: no member to hold up
         waited = _wait_until_forgotten(environ.get(protocol.DIED_AT), heartbeat_timeout, process_id)
     guard = _compat.no_service_start() if external_coordinator else contextlib.nullcontext()
     try:
@@ -236,110 +251,16 @@ def initialize(coordinator_address: str | None = None,
     if external_coordinator:
         _clear_stale_topology(process_id)
     elif num_processes > 1 and process_id == 0:  # it hosts the service: it must leave last
-        atexit.register(_outlive_peers(num_processes, timeouts))
+        atexit.register(exits.outlive_peers(num_processes, timeouts))
     elif num_processes > 1:
-        atexit.register(_announce_leaving, process_id)
+        atexit.register(exits.announce_leaving, process_id)
     events = EventLog(run_dir, process_id, incarnation)
     events.log(Event.INITIALIZED, source=place.source, forget_wait_s=round(waited, 3))
     faults = FaultInjector.from_env(process_id, on_fire=_fault_logger(events), environ=environ)
     timeouts_lib.set_current(timeouts)
-    _install_stop_handlers()
-    return Runtime(process_id=process_id, num_processes=num_processes, incarnation=incarnation,
-                   coordinator_address=coordinator_address,
-                   external_coordinator=bool(external_coordinator),
-                   heartbeat_timeout=int(heartbeat_timeout),
-                   collective_timeout=int(collective_timeout), run_dir=run_dir,
-                   events=events, faults=faults, timeouts=timeouts, source=place.source)
-
-
-def _install_stop_handlers() -> None:
-    """SIGTERM ends the worker (exit 143) instead of JAX's preemption notice, which only
-    records it, so a launcher's clean stop does not wait for its SIGKILL; an uncaught
-    :class:`~jaxft.errors.ConfigError` ends it with one line and :data:`EXIT_CONFIG_ERROR`."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_sigterm)
-    if not getattr(sys.excepthook, "_jaxft", False):
-        previous = sys.excepthook
-
-        def hook(exc_type, exc, tb):
-            if issubclass(exc_type, ConfigError):
-                sys.stderr.write(f"jaxft: configuration error ({exc_type.__name__}): {exc}\n")
-                sys.stderr.flush()
-                sys.stdout.flush()
-                os._exit(EXIT_CONFIG_ERROR)
-            previous(exc_type, exc, tb)
-
-        hook._jaxft = True  # type: ignore[attr-defined]
-        sys.excepthook = hook
-
-
-def _on_sigterm(signum, _frame) -> None:
-    if stopping.wanted():  # save a last checkpoint at an agreed step first (jaxft.worker.stopping)
-        stopping.request()
-        return
-    raise SystemExit(128 + signum)
-
-
-LEAVING_PREFIX = "jaxft/leaving/"
-
-
-def _announce_leaving(process_id: int) -> None:
-    """At exit of a peer of a process 0 that hosts the service (atexit runs this before jax's
-    own shutdown, registered at its import): tell process 0 this process is about to disconnect."""
-    client = _compat.distributed_client_or_none()
-    if client is not None:
-        try:
-            client.key_value_set(f"{LEAVING_PREFIX}{process_id}", "1", allow_overwrite=True)
-        except Exception:  # noqa: BLE001 - the service is already gone: nothing to wait for
-            pass
-
-
-def _outlive_peers(num_processes: int, timeouts: Timeouts) -> Callable[[], None]:
-    """For a process 0 that hosts the service: an atexit hook that keeps it (and the service)
-    alive until every other process has disconnected, bounded by ``Timeouts.shutdown``. A
-    peer whose service is gone aborts (SIGABRT) in its own ``ShutdownTask``, and a recoverable
-    service has no shutdown barrier of its own.
-
-    The wait runs in a thread started now, not at exit: Python 3.12 refuses to start a thread
-    once the interpreter is finalizing ("can't create new thread at interpreter shutdown"),
-    which had left process 0 not waiting at all there. The peers first announce that they are
-    leaving (their own atexit hook), so process 0's liveness query cannot pair with a peer
-    that is still training; then ``get_live_nodes`` over every process returns once each peer
-    has disconnected (it waits for the live ones, and a peer in shutdown never queries)."""
-    client = _compat.distributed_client_or_none()
-    exiting = threading.Event()
-
-    def wait() -> None:
-        exiting.wait()
-        if client is None:
-            return
-        deadline = time.monotonic() + timeouts.shutdown
-        others, left = {str(p) for p in range(1, num_processes)}, set()
-        while time.monotonic() < deadline:
-            try:
-                left = {k.rstrip("/").rsplit("/", 1)[-1] for k, _ in client.key_value_dir_get(LEAVING_PREFIX)}
-            except Exception:  # noqa: BLE001 - the service or this client is already gone
-                return
-            if others <= left:
-                break
-            time.sleep(0.02)
-        else:
-            logger.debug("process(es) %s did not announce their exit within %.1f s",
-                         sorted(others - left, key=int), timeouts.shutdown)
-            return
-        try:
-            client.get_live_nodes(list(range(num_processes)))
-        except Exception:  # noqa: BLE001 - the service or this client is already gone
-            pass
-
-    waiter = threading.Thread(target=wait, name="jaxft-outlive-peers", daemon=True)
-    waiter.start()
-
-    def at_exit() -> None:
-        exiting.set()
-        waiter.join(timeouts.shutdown)
-
-    return at_exit
+    exits.install_stop_handlers()
+    return Runtime(placement=place, incarnation=incarnation, run_dir=run_dir, events=events, faults=faults,
+                   timeouts=timeouts)
 
 
 def _clear_stale_topology(process_id: int) -> None:
@@ -354,9 +275,9 @@ def _configure_compilation_cache(setting: str | bool | None, run_dir: str | None
     import jax
 
     if setting is False or (setting is None and (not run_dir or environ.get("JAX_COMPILATION_CACHE_DIR")
-                                                 or jax.config.jax_compilation_cache_dir)):
+                                                 or jax.config.jax_compilation_cache_dir)):  # type: ignore[attr-defined]
         return
-    path = setting if isinstance(setting, str) else os.path.join(run_dir, "xla_cache")
+    path = setting if isinstance(setting, str) else os.path.join(str(run_dir), "xla_cache")
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # small CPU steps too

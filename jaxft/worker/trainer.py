@@ -8,29 +8,28 @@ failures computes. A restarted process is detected inside the step and rehydrate
 the lowest-numbered member holding the latest step.
 
 It is a thin user of :class:`jaxft.ElasticLoop` (bring your own step): its step is
-:func:`make_train_step` and its state the pytree ``{"params", "opt_state"}``.
+:func:`jaxft.worker.train_step.make_train_step` and its state the pytree ``{"params", "opt_state"}``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxft.events import EventLog
-from jaxft.faults import FaultInjector
 from jaxft.types import PyTree
 from jaxft.worker.data import GlobalBatches
-from jaxft.worker.loop import ElasticLoop, StepRecord, agreed_votes, local_copy, replicate, to_host
-from jaxft.worker.membership import ElasticGroup
+from jaxft.worker.loop import ElasticLoop, StepRecord
+from jaxft.worker.options import Batching, LoopOptions, MeshStep, Reduction
+from jaxft.worker.train_step import LossFn, chunk_size, make_train_step
 
-LossFn = Callable[[PyTree, PyTree], jax.Array]  # (params, batch[B, ...]) -> per-example loss [B]
+if TYPE_CHECKING:
+    from jaxft.worker.runtime import Runtime
 
 
 @dataclasses.dataclass
@@ -42,358 +41,57 @@ class TrainState:
     opt_state: PyTree
 
 
-def _per_example(loss: jax.Array, mask: jax.Array) -> jax.Array:
-    """Check (at trace time) that ``loss_fn`` returned one loss per example: a ``[B, 1]``
-    loss would silently broadcast against the ``[B]`` mask into ``[B, B]``."""
-    if loss.shape != mask.shape:
-        raise ValueError(f"loss_fn must return one loss per example, shape {tuple(mask.shape)}; it returned "
-                         f"shape {tuple(loss.shape)} (reduce the other axes, e.g. jnp.sum(..., axis=-1))")
-    return loss
-
-
-REDUCTIONS = ("allreduce", "allreduce64", "exact")
-CHUNKED = ("allreduce64", "exact")  # the reductions that lay the batch out in fixed chunks
-
-
-def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, global_batch: int,
-                    mesh: Mesh, reduction: str = "allreduce", chunks: int | None = None,
-                    votes: bool = False) -> Callable:
-    """Jitted ``(params, opt_state, batch[M, D*m, ...], mask[M, D*m]) -> (params, opt_state, loss)``.
-
-    ``votes`` (the all-reduces only): the step also takes the admission votes ``[D, P]``
-    (sharded over the devices) and returns ``agreed [P]`` (:func:`jaxft.worker.loop.agreed_votes`),
-    the votes summed in the same buffer as the gradients.
-
-    Sums per-example losses times the mask and divides by ``global_batch``: the gradient
-    does not depend on how many devices hold the batch, up to float rounding.
-
-    ``reduction="allreduce"``: scans over the ``M`` micro-batches; the cross-device sum is one
-    all-reduce of every gradient and the loss in one buffer (its order depends on the width).
-    ``reduction="allreduce64"``: the batch must be laid out by :meth:`jaxft.Layout.chunked` in
-    ``chunks`` chunks; each chunk's gradient is summed in float64 by one all-reduce and
-    rounded once (see :func:`_allreduce_step`).
-    ``reduction="exact"``: the same layout; the result is bitwise independent of the number of
-    devices (see :func:`_exact_step`).
-    """
-    _check_reduction(reduction)
-    if reduction in CHUNKED:
-        _check_chunks(chunks, global_batch, reduction)
-    if reduction == "exact":
-        if votes:
-            raise ValueError("votes are summed in the step only with the all-reduces")
-        step = _exact_step(loss_fn, optimizer, global_batch, chunks, mesh)
-    else:
-        step = _allreduce_step(loss_fn, optimizer, global_batch, mesh, votes, wide=reduction == "allreduce64")
-    replicated = NamedSharding(mesh, P())
-    return jax.jit(step, out_shardings=(replicated,) * (4 if votes else 3))
-
-
-def _chunk_value_and_grad(loss_fn: LossFn, params: PyTree, batch: PyTree, mask: jax.Array):
-    """Masked loss sum of one micro-batch and its gradient."""
-    return jax.value_and_grad(lambda p: jnp.sum(_per_example(loss_fn(p, batch), mask) * mask))(params)
-
-
-def _acc_dtype(dtype) -> np.dtype:
-    """The dtype a gradient leaf is summed in: float32 for floats narrower than 32 bits (a
-    bfloat16 running sum keeps 8 bits, so its error grows with the number of micro-batches,
-    which depends on the width), a leaf's own dtype otherwise."""
-    dtype = np.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
-        return np.dtype(np.float32)
-    return dtype
-
-
-def _widen(tree: PyTree) -> PyTree:
-    """``tree``'s leaves in their :func:`_acc_dtype` (float32 and float64 leaves untouched)."""
-    return jax.tree_util.tree_map(lambda x: x if _acc_dtype(x.dtype) == x.dtype else x.astype(_acc_dtype(x.dtype)),
-                                  tree)
-
-
-def _loss_dtype(params: PyTree) -> np.dtype:
-    """The dtype the micro-batches' losses are summed in: float32, or float64 with float64 params."""
-    return np.dtype(jnp.result_type(np.float32, *(_acc_dtype(x.dtype) for x in jax.tree_util.tree_leaves(params))))
-
-
-def _chunk_grads(loss_fn: LossFn, params: PyTree, batch: PyTree, mask: jax.Array) -> tuple[jax.Array, PyTree]:
-    """Losses ``[k]`` and gradients ``[k, ...]`` of this device's ``k`` chunks, each from the
-    same loop body on a ``[G/C, ...]`` slice whichever device runs it (so the same bits).
-
-    The loop always runs >= 2 iterations (a device holding one chunk runs it twice and keeps
-    one): measured on XLA:CPU (jax 0.10.2), with a trip count of 1 XLA drops the loop and
-    compiles the chunk's gradient differently."""
-    k = mask.shape[0]
-    if k == 1:
-        batch, mask = jax.tree_util.tree_map(lambda x: jnp.concatenate([x, x]), (batch, mask))
-    losses, grads = jax.lax.map(lambda xs: _chunk_value_and_grad(loss_fn, params, *xs), (batch, mask))
-    return losses[:k], jax.tree_util.tree_map(lambda x: x[:k], grads)
-
-
-def _wide_sum(loss_fn: LossFn, params: PyTree, batch: PyTree, mask: jax.Array) -> tuple[PyTree, jax.Array]:
-    """This device's chunks' gradients and losses summed in float64: leaves ``[1, ...]``.
-
-    A scan whose float64 carry takes each chunk's gradient as it comes (materialising the
-    ``k`` gradients first, as :func:`_chunk_grads` does, made a 512x512 MLP step 2.5x slower
-    on XLA:CPU). It runs >= 2 iterations for the reason given there: a device holding one
-    chunk runs a second, all-padding one (mask 0, so it adds exact zeros). The user's loss is
-    traced with the x64 setting the user's program has."""
-    if mask.shape[0] == 1:
-        batch = jax.tree_util.tree_map(lambda x: jnp.concatenate([x, x]), batch)
-        mask = jnp.concatenate([mask, jnp.zeros_like(mask)])
-    users_x64 = bool(jax.config.jax_enable_x64)
-    with jax.enable_x64(True):
-        def body(acc, xs):
-            with jax.enable_x64(users_x64):
-                loss, grads = _chunk_value_and_grad(loss_fn, params, *xs)
-            return jax.tree_util.tree_map(lambda a, x: a + x.astype(jnp.float64), acc, (grads, loss)), None
-
-        zero = jax.tree_util.tree_map(lambda x: jnp.zeros((1,) + x.shape, jnp.float64),
-                                      (params, jnp.zeros((), jnp.float32)))
-        acc, _ = jax.lax.scan(body, zero, (batch, mask))
-    return acc
-
-
-def _allreduce_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, global_batch: int,
-                    mesh: Mesh, votes: bool = False, wide: bool = False) -> Callable:
-    """Each device sums its micro-batches' gradients and losses, then one ``psum`` of them all
-    (and of the admission votes, with ``votes``) flattened into one buffer (:func:`_rows`):
-    one gloo all-reduce per step. XLA's CPU backend runs a tuple all-reduce (what it made of
-    the per-leaf sums) as one gloo all-reduce per element, all on one slot: when a member died
-    between two of them, a survivor one element ahead sent chunks of the wrong size and
-    another survivor aborted in gloo ("op.preamble.length <= op.nbytes. 32 vs 4", SIGABRT).
-    Gradients of floats narrower than 32 bits are summed, and all-reduced, in float32
-    (:func:`_acc_dtype`), and rounded to their dtype once, by :func:`_apply`.
-
-    ``wide`` (``reduction="allreduce64"``): the micro-batches are the fixed chunks of
-    :meth:`jaxft.Layout.chunked`, whose gradients have the same bits on every width; they are
-    summed in float64 on the device (:func:`_wide_sum`) and by the all-reduce, and rounded
-    once to the leaves' dtype (float32 for narrower floats, which :func:`_apply` rounds to
-    theirs after the division by the global batch). A float64 sum of ``C`` float32 values is
-    exact unless their exponents span more than ~29 - log2(C) bits, and otherwise off by far
-    less than a float32 ulp, so the rounded sum differs between widths only when it lies within ~2^-53 of a
-    float32 rounding boundary. Measured (mlp, 450 steps, 13-step stretches at widths 1-3 in a
-    4-wide run): bitwise equal to the 4-wide run, where ``"allreduce"`` ends ~1e-6 relative
-    apart. Cost: the all-reduce moves twice the bytes, and the batch runs in chunks.
-    """
-    axis = mesh.axis_names[0]
-
-    def per_device(params, batch, mask, *vote_rows):  # batch [M, m, ...]: this device's micro-batches
-        if wide:
-            grad_sum, loss_sum = _wide_sum(loss_fn, params, batch, mask)
-            with jax.enable_x64(True):
-                flat, unflatten = _rows((grad_sum, loss_sum) + tuple(v.astype(jnp.float64) for v in vote_rows))
-                total = unflatten(jax.lax.psum(flat, axis))
-                grad_sum = jax.tree_util.tree_map(lambda t, x: t[0].astype(_acc_dtype(x.dtype)), total[0], params)
-                rest = tuple(t[0].astype(jnp.float32) for t in total[1:])  # the loss, the votes
-            return (grad_sum,) + rest
-
-        def micro(carry, xs):
-            grad_sum, loss_sum = carry
-            loss, grads = _chunk_value_and_grad(loss_fn, params, *xs)
-            grad_sum = jax.tree_util.tree_map(lambda a, g: a + g.astype(a.dtype), grad_sum, grads)
-            return (grad_sum, loss_sum + loss.astype(loss_sum.dtype)), None
-
-        zeros = jax.tree_util.tree_map(lambda p: jnp.zeros_like(p, dtype=_acc_dtype(p.dtype)), params)
-        carry = (zeros, jnp.zeros((), _loss_dtype(params)))
-        if mask.shape[0] == 1:  # no accumulation: skip the loop (XLA:CPU runs loop bodies slower)
-            (grad_sum, loss_sum), _ = micro(carry, jax.tree_util.tree_map(lambda x: x[0], (batch, mask)))
-        else:
-            (grad_sum, loss_sum), _ = jax.lax.scan(micro, carry, (batch, mask))
-        rows = jax.tree_util.tree_map(lambda x: x[None], (grad_sum, loss_sum))
-        rows += tuple(v.astype(jnp.float32) for v in vote_rows)  # this device's votes [1, P]
-        flat, unflatten = _rows(rows)
-        return jax.tree_util.tree_map(lambda x: x[0], unflatten(jax.lax.psum(flat, axis)))
-
-    specs = (P(), P(None, axis), P(None, axis)) + ((P(axis),) if votes else ())
-    summed = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)
-
-    if not votes:
-        def step(params, opt_state, batch, mask):
-            grad_sum, loss_sum = summed(params, batch, mask)
-            return _apply(optimizer, params, opt_state, grad_sum, loss_sum, global_batch)
-
-        return step
-
-    def step_with_votes(params, opt_state, batch, mask, votes_in):
-        grad_sum, loss_sum, total = summed(params, batch, mask, votes_in)
-        return _apply(optimizer, params, opt_state, grad_sum, loss_sum, global_batch) + (agreed_votes(total),)
-
-    return step_with_votes
-
-
-def _apply(optimizer, params, opt_state, grad_sum, loss_sum, global_batch: int):
-    """Divide the summed gradients (in their :func:`_acc_dtype`) by the global batch, round
-    them to the params' dtypes there, once, and update.
-
-    The optimizer gets gradients in the params' dtypes, not float32: its state was made by
-    ``optimizer.init(params)`` in those dtypes, and float32 gradients would promote it (adam's
-    moments, say) to float32 at the first update, so the committed state would change dtypes
-    (a second compile, a checkpoint or a rehydration whose tree no longer matches). Whoever
-    wants float32 optimizer arithmetic keeps float32 master params and casts in the loss."""
-    grads = jax.tree_util.tree_map(lambda g, p: (g / global_batch).astype(p.dtype), grad_sum, params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss_sum / global_batch
-
-
-def _exact_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, global_batch: int, chunks: int,
-                mesh: Mesh) -> Callable:
-    """The width-independent step: every chunk's gradient comes from the same loop body on a
-    ``[G/chunks, ...]`` slice, whichever device runs it; the ``chunks`` gradients are
-    all-gathered in chunk order and summed in one fixed sequential order on every device.
-
-    Measured on XLA:CPU (jax 0.10.2), each guard below was needed for equal bits:
-    * the chunk loop always runs >= 2 iterations (:func:`_chunk_grads`);
-    * optimization barriers around the gathered gradients and their sum: on one device the
-      gather is a no-op, and fusing the update into the producers changed the rounding.
-    Cost: each device holds ``chunks`` gradients (``chunks x params`` floats) after the gather,
-    which is one all-gather of every leaf flattened into one buffer (:func:`_rows`).
-    """
-    axis = mesh.axis_names[0]
-
-    def per_device(params, batch, mask):  # batch [k, c, ...]: this device's chunks, in order
-        flat, unflatten = _rows(_widen(_chunk_grads(loss_fn, params, batch, mask)))
-        gathered = jax.lax.all_gather(flat, axis, tiled=True)[:chunks]  # drop padding chunks
-        return jax.lax.optimization_barrier(unflatten(gathered))
-
-    gathered = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(None, axis), P(None, axis)), out_specs=P(),
-                             check_vma=False)
-
-    def step(params, opt_state, batch, mask):
-        losses, grads = gathered(params, batch, mask)
-        grad_sum, loss_sum = jax.lax.optimization_barrier((_fold(grads), _fold(losses)))
-        return _apply(optimizer, params, opt_state, grad_sum, loss_sum, global_batch)
-
-    return step
-
-
-def _rows(tree: PyTree) -> tuple[jax.Array, Callable[[jax.Array], PyTree]]:
-    """``tree``'s leaves ``[k, ...]`` as one ``[k, n]`` array (in one dtype every leaf's
-    converts to exactly, e.g. bfloat16 and float32 -> float32), and the inverse for any
-    leading size: the all-reduce sums one buffer and the exact reduction gathers one, so a
-    step runs one gloo collective instead of one per leaf (each is another chance for peers
-    to fall out of step when a member dies mid-step)."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    dtype = jnp.result_type(*leaves)
-    sizes = [int(np.prod(x.shape[1:], dtype=np.int64)) for x in leaves]
-    flat = jnp.concatenate([x.reshape(x.shape[0], -1).astype(dtype) for x in leaves], axis=1)
-
-    def unflatten(rows: jax.Array) -> PyTree:
-        parts = jnp.split(rows, np.cumsum(sizes)[:-1], axis=1)
-        return jax.tree_util.tree_unflatten(treedef, [
-            part.reshape((rows.shape[0],) + x.shape[1:]).astype(x.dtype) for part, x in zip(parts, leaves)])
-
-    return flat, unflatten
-
-
-def _fold(tree: PyTree) -> PyTree:
-    """Sum over the leading axis as a sequential left fold (a scan: one order, every width),
-    in each leaf's :func:`_acc_dtype`."""
-    def one(x):
-        acc = _acc_dtype(x.dtype)
-        return jax.lax.scan(lambda a, g: (a + g.astype(acc), None), jnp.zeros_like(x[0], dtype=acc), x)[0]
-
-    return jax.tree_util.tree_map(one, tree)
-
-
-_replicate, _local, _to_host = replicate, local_copy, to_host  # older names, kept for bench/
-
-
-def _check_reduction(reduction: str) -> None:
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-
-
-def _check_chunks(chunks: int | None, global_batch: int, reduction: str = "exact") -> None:
-    """The chunked reductions cut the global batch into ``chunks`` equal chunks."""
-    if not chunks or chunks < 1 or global_batch % chunks:
-        raise ValueError(f"reduction={reduction!r} needs exact_chunks, a number >= 1 dividing the global batch "
-                         f"({global_batch}); got {chunks}")
-
-
-def _exact_chunk(reduction: str, chunks: int | None, micro_batch: int | None, global_batch: int) -> int | None:
-    """The chunked reductions' chunk size ``G / chunks`` (None for the all-reduce), validated."""
-    _check_reduction(reduction)
-    if reduction not in CHUNKED:
-        if chunks is not None:
-            raise ValueError(f"exact_chunks is only used with reduction in {CHUNKED}")
-        return None
-    _check_chunks(chunks, global_batch, reduction)
-    if micro_batch:
-        raise ValueError(f"reduction={reduction!r} sets the micro-batch itself (global_batch / exact_chunks "
-                         f"= {global_batch // chunks} examples); pass micro_batch=None")
-    return global_batch // chunks
-
-
 class ElasticTrainer:
-    """The elastic data-parallel loop.
+    """The elastic data-parallel loop: a loss function and an optax optimizer on
+    :class:`~jaxft.ElasticLoop`.
 
     Args:
-      loss_fn: ``(params, batch) -> per-example losses [B]`` (the trainer masks padding
-        and normalises by the global batch size).
+      loss_fn: ``(params, batch) -> per-example losses [B]`` (the trainer masks padding and
+        normalises by the global batch size).
       optimizer: any optax transformation.
       params: initial parameters (every process must pass the same values).
       data: the :class:`GlobalBatches` to train on.
       runtime: what :func:`jaxft.initialize` returned (events and fault points).
-      micro_batch: examples per device per micro-batch (gradient accumulation), or None.
-      reduction: ``"allreduce"`` (default): the gradients are summed by an all-reduce, whose
-        float order depends on how many devices ran the step, so a step retried on fewer
-        devices agrees with a fault-free run up to rounding (~1e-6 relative).
-        ``"allreduce64"``: the gradients of ``exact_chunks`` fixed chunks are summed in
-        float64 by one all-reduce (twice the bytes of ``"allreduce"``) and rounded once, so a
-        step's result differs between widths only when a sum lies within ~2^-53 of a
-        float32 rounding boundary: in practice the same bytes as a fault-free run (measured:
-        bitwise over 450 mlp steps with width changes), not guaranteed.
-        ``"exact"``: the step's result is bitwise independent of the number of devices (a run
-        with failures ends with the same bytes as one without); it costs an all-gather of
-        ``exact_chunks`` gradients (``exact_chunks x params`` floats per device) instead of
-        an all-reduce.
-        With either, at most ``exact_chunks`` devices do useful work, and a width that does
-        not divide it runs padding chunks.
-      exact_chunks: with ``reduction="allreduce64"`` or ``"exact"``, the number ``C`` of chunks
-        the global batch is cut into (``C`` must divide it; each chunk is one micro-batch of
-        ``G/C`` examples, so ``micro_batch`` must be None).
-      check_every: every N steps, verify that all members hold bitwise-identical params.
-      min_members, max_attempts, precompile, pipeline, commit_every: see :class:`~jaxft.ElasticLoop`.
+      on_commit: ``(trainer, record)`` after every commit.
+      options: :class:`~jaxft.LoopOptions` (retries, admission, pipeline, commit batching,
+        checks, warm-up).
+      reduction: :class:`~jaxft.Reduction`: how the gradients are summed over the members (the
+        all-reduce, whose float order depends on the width: ~1e-6 relative from a fault-free
+        run; or fixed chunks summed in float64, or gathered, for the fault-free bits), and the
+        micro-batch of gradient accumulation. A chunked reduction does useful work on at most
+        ``chunks`` devices; a width that does not divide it runs padding chunks.
     """
 
     def __init__(self, loss_fn: LossFn, optimizer: optax.GradientTransformation, params: PyTree,
-                 data: GlobalBatches, *, runtime=None, events: EventLog | None = None,
-                 faults: FaultInjector | None = None, micro_batch: int | None = None,
-                 check_every: int = 0, group: ElasticGroup | None = None,
+                 data: GlobalBatches, *, runtime: Runtime | None = None,
                  on_commit: Callable[[ElasticTrainer, StepRecord], None] | None = None,
-                 min_members: int = 1, max_attempts: int | None = 100, reduction: str = "allreduce",
-                 exact_chunks: int | None = None, precompile: int = 0, pipeline: bool = False,
-                 commit_every: int = 1):
-        chunk = _exact_chunk(reduction, exact_chunks, micro_batch, data.global_batch)
-        self.reduction, self.exact_chunks = reduction, exact_chunks
+                 options: LoopOptions = LoopOptions(), reduction: Reduction = Reduction()):
+        chunk = chunk_size(reduction, data.global_batch)
+        self.reduction = reduction
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.data = data
-        self.micro_batch = micro_batch
-        self.check_every = check_every
         self.on_commit = on_commit
         hook = (lambda _loop, record: on_commit(self, record)) if on_commit is not None else None
-        self.loop = ElasticLoop(None, {"params": params, "opt_state": optimizer.init(params)}, data,
-                                make_step=self._make_step, runtime=runtime, events=events, faults=faults,
-                                micro_batch=micro_batch, stacked=True, check_every=check_every, group=group,
-                                on_commit=hook, min_members=min_members, max_attempts=max_attempts,
-                                chunk=chunk, precompile=precompile, step_takes_votes=reduction != "exact",
-                                pipeline=pipeline, commit_every=commit_every)
+        step = MeshStep(self._make_step, takes_votes=reduction.kind != "exact")
+        batching = Batching(micro_batch=reduction.micro_batch, stacked=True, chunk=chunk)
+        self.loop = ElasticLoop(step, {"params": params, "opt_state": optimizer.init(params)}, data, runtime=runtime,
+                                on_commit=hook, options=options, batching=batching)
         self.events, self.faults, self.group = self.loop.events, self.loop.faults, self.loop.group
         self._view: TrainState | None = None  # what `state` returned, and what it was made from
         self._view_src: tuple = ()
 
     def _make_step(self, mesh: Mesh) -> Callable:
-        if self.loop.step_takes_votes and self.loop.group.admission == "ready":
+        if self.reduction.kind != "exact" and self.loop.group.admission == "ready":
             inner = make_train_step(self.loss_fn, self.optimizer, self.data.global_batch, mesh, self.reduction,
-                                    self.exact_chunks, votes=True)
+                                    votes=True)
 
             def step_with_votes(state, batch, mask, votes):
                 params, opt_state, loss, agreed = inner(state["params"], state["opt_state"], batch, mask, votes)
                 return {"params": params, "opt_state": opt_state}, {"loss": loss}, agreed
 
             return jax.jit(step_with_votes, out_shardings=NamedSharding(mesh, P()))
-        inner = make_train_step(self.loss_fn, self.optimizer, self.data.global_batch, mesh, self.reduction,
-                                self.exact_chunks)
+        inner = make_train_step(self.loss_fn, self.optimizer, self.data.global_batch, mesh, self.reduction)
 
         def step(state, batch, mask):
             params, opt_state, loss = inner(state["params"], state["opt_state"], batch, mask)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from typing import Any
 
 import jax
 import numpy as np
@@ -66,7 +67,8 @@ def save_tree(path: str, tree: PyTree) -> None:
     """Write ``tree``'s leaves to ``path`` (``.npz``), one array per leaf named by its key
     path (``jax.tree_util.keystr``), for leaf-by-leaf comparisons between runs."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    np.savez(path, **{jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves})
+    arrays: dict[str, Any] = {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
+    np.savez(path, **arrays)
 
 
 def tree_norm(tree: PyTree) -> float:
@@ -150,11 +152,11 @@ def broadcast_tree(tree: PyTree, donor: int, mesh: Mesh, axis_name: str = "data"
     is_donor = pid == donor
     if is_donor:
         out = [np.asarray(x) for x in leaves]
-        srcs = out
+        srcs: list[np.ndarray] = out
     else:
         out = [np.empty(*_leaf_meta(x)) for x in leaves]
-        srcs = None
-    views = [_flat_bytes(a) if not is_donor or a.flags.c_contiguous else None for a in out]
+        srcs = []  # (only the donor reads its sources)
+    views: list[Any] = [_flat_bytes(a) if not is_donor or a.flags.c_contiguous else None for a in out]
     sizes = [a.nbytes for a in out]
     total = sum(sizes)
     if total == 0:
@@ -169,7 +171,7 @@ def broadcast_tree(tree: PyTree, donor: int, mesh: Mesh, axis_name: str = "data"
     sharding = NamedSharding(mesh, P(axis_name))
     send = _broadcaster(mesh, axis_name, source)
     chunk = max(1, int(chunk_bytes))
-    staging = None  # the donor's buffer for chunks that straddle leaves (or are padded)
+    staging: np.ndarray | None = None  # the donor's buffer for chunks that straddle leaves (or are padded)
     zeros: dict[int, list[jax.Array]] = {}  # a receiver's all-zero input shards, by length
 
     leaf, offset = 0, 0  # the stream position: leaf index and byte offset in it

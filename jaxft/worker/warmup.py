@@ -1,18 +1,18 @@
 """Compile the likely next step programs in the background, before a failure needs them.
 
 When a member dies, the survivors retry the step on a smaller mesh, whose program must be
-compiled (or loaded from the persistent cache) first: on CPU that was most of what a
-failure cost them (0.6-1.8 s with four processes on two cores, 3.5 s for a width never
-seen). The likely next meshes are known in advance: the current members less any one of
-them (then those less a member and its successor, see :func:`shrinks`).
-:class:`Warmer` lowers and compiles the step for each of those in one daemon thread of
-process 0 after the members change. jax writes persistent-cache entries from process 0
-only, and process 0 can compile for devices it does not hold, so every entry one failure
-away is on disk before the failure: the survivors load the executable (~0.1-0.3 s) instead
-of compiling it, and process 0, if it survives, finds it in memory (a jitted function called
-with the arguments it was lowered for reuses the ahead-of-time compile). Only process 0
-does the work: when every member compiled its own candidates, four processes on two cores
-slowed the steps after each change by more than the retries saved (measured, see docs/design.md).
+compiled (or loaded from the persistent cache) first: on CPU that compile was most of what a
+failure cost them. The likely next meshes are known in advance:
+the current members less any one of them (then those less a member and its successor, see
+:func:`shrinks`). :class:`Warmer` lowers and compiles the step for each of those in one daemon
+thread of process 0 after the members change. jax writes persistent-cache entries from process
+0 only, and process 0 can compile for devices it does not hold, so every entry one failure away
+is on disk before the failure: the survivors load the executable, a fraction of a compile's
+time, and process 0, if it survives, finds it in memory (a jitted function called with the
+arguments it was lowered for reuses the ahead-of-time compile). Only process 0 does the work:
+when every member compiled its own candidates, their compiles on shared cores slowed the steps
+after each change by more than the retries saved (measured: docs/benchmarks.md, 'Figures
+behind the code').
 
 Safety: the thread never runs while the backend is rebuilt (:meth:`Warmer.pause` takes its
 lock, waiting for at most the compile in progress), and work queued for an older backend is
@@ -21,11 +21,21 @@ dropped. A failed warm-up is only logged: the step compiles as before when it ne
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxft.protocol import Event
+from jaxft.worker import transfer
+from jaxft.worker.arrays import shapes
+from jaxft.worker.programs import mesh_of
 
 logger = logging.getLogger(__name__)
 
@@ -95,3 +105,64 @@ def shrinks(members: Sequence[int], min_members: int = 1) -> list[tuple[int, ...
         return singles
     pairs = [tuple(p for p in members if p not in {members[i], members[(i + 1) % n]}) for i in reversed(range(n))]
     return singles + pairs
+
+
+class Precompiler:
+    """One loop's warm-up (``LoopOptions(precompile=K)``) and a joiner's compile before admission.
+
+    Process 0, after a commit on a member set it did not warm up for yet, compiles in the
+    background the step for each set one failure away (same state and batch shapes, another
+    mesh) and, while someone is missing, the rejoin's transfer from the donor it will have."""
+
+    def __init__(self, programs: Any, feeder: Any, group: Any, events: Any, precompile: int, min_members: int):
+        self.programs, self.feeder, self.group, self.events = programs, feeder, group, events
+        self.precompile, self.min_members = precompile, min_members
+        self._warmer: Warmer | None = None
+        self._warmed_for: tuple[int, ...] | None = None  # the member set the last warm-up was for
+        self._done: set[tuple] = set()  # what was compiled ahead in this life
+
+    def after_commit(self, process_ids: tuple[int, ...], state: Any) -> None:
+        """Warm up for ``process_ids`` (the members of the commit) if this process should."""
+        if (not self.precompile or len(process_ids) > self.precompile or self.feeder.template is None
+                or self.group.process_id != 0 or self._warmed_for == process_ids):
+            return
+        if self._warmer is None:
+            self._warmer = Warmer(on_done=self._compiled_one)
+            self.group.on_reset(before=self._pause, after=self._warmer.resume)
+        self._warmed_for = process_ids
+        state_shapes, template, axis = shapes(state), self.feeder.template, self.group.axis_name
+        for pids in shrinks(process_ids, self.min_members):
+            if pids in self._done:  # on disk already: after a rebuild it loads from there
+                continue
+            self._warmer.submit(pids, functools.partial(self.programs.compile_for, mesh_of(pids, axis), state_shapes,
+                                                        template))
+        everyone = tuple(range(jax.process_count()))
+        if process_ids != everyone and ("rehydrate", everyone) not in self._done:
+            # someone is missing: the rejoin's transfer, from the donor it will have (the lowest member)
+            nbytes = transfer.tree_nbytes({"step": np.int64(0), "state": state})
+            self._warmer.submit(("rehydrate", everyone), lambda: transfer.compile_broadcast(
+                nbytes, min(process_ids), mesh_of(everyone, axis), axis))
+
+    def before_admission(self, pids: tuple[int, ...], step: int, state: Any) -> None:
+        """A joiner, before it says it is ready: the step for the members it will enter, so that
+        the admission step loads it (:mod:`jaxft.worker.executables`) instead of tracing it."""
+        t0 = time.monotonic()
+        mesh = mesh_of(pids, self.group.axis_name)
+        if self.feeder.template is None:
+            self.feeder.host_batch(step, mesh)
+        self.programs.compile_for(mesh, shapes(state), self.feeder.template)
+        logger.info("process %d compiled the step for %s before admission in %.2f s", self.group.process_id,
+                    list(pids), time.monotonic() - t0)
+
+    def _compiled_one(self, key: Any, seconds: float) -> None:
+        self._done.add(key)
+        if key and key[0] == "rehydrate":
+            self.events.log(Event.PRECOMPILED, program="rehydrate", members=list(key[1]), seconds=round(seconds, 3))
+        else:
+            self.events.log(Event.PRECOMPILED, program="step", members=list(key), seconds=round(seconds, 3))
+
+    def _pause(self) -> None:
+        """Before a backend rebuild: no compile runs across it, and the next commit warms up anew."""
+        assert self._warmer is not None
+        self._warmer.pause()
+        self._warmed_for = None

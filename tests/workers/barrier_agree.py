@@ -27,8 +27,9 @@ timeouts = rt.timeouts.replace(save_dead_after=60.0, reset=30.0)
 
 
 def barrier(namespace: str, cancel: threading.Event | None = None) -> kv.KVBarrier:
-    return kv.KVBarrier(namespace, [0, 1], me, cancel, timeouts=timeouts, what="reset",
-                        dead_after="save_dead_after", unknown_after="reset", timeout_name="reset")
+    return kv.KVBarrier(namespace, [0, 1], me, cancel, timeouts=timeouts,
+                        options=kv.BarrierOptions(what="reset", dead_after="save_dead_after", unknown_after="reset",
+                                                  timeout_name="reset"))
 
 
 def outcome(b: kv.KVBarrier) -> str:

@@ -11,7 +11,7 @@ import sys
 
 import jaxft
 
-rt = jaxft.initialize(compilation_cache=sys.argv[1])
+rt = jaxft.initialize(options=jaxft.InitOptions(compilation_cache=sys.argv[1]))
 
 import jax
 import jax.numpy as jnp

@@ -26,7 +26,8 @@ def corrupt(trainer, record):
 dataset = make_dataset(512)
 params = jax.tree_util.tree_map(np.asarray, init_params(0, 16, 8))
 trainer = jaxft.ElasticTrainer(loss_fn, optax.sgd(0.01), params, jaxft.GlobalBatches(dataset, 24),
-                               runtime=rt, check_every=5, on_commit=corrupt)
+                               runtime=rt, on_commit=corrupt,
+                               options=jaxft.LoopOptions(check_every=5))
 try:
     trainer.run(10)
 except jaxft.ConsistencyError as e:

@@ -39,8 +39,9 @@ if me == 1:
 if mode != "records":
     os.environ.pop(protocol.FAULT_STATE_DIR, None)
 timeouts = rt.timeouts.replace(save_dead_after=2.0 if mode == "heartbeat" else 60.0, reset=30.0)
-barrier = kv.KVBarrier("test/rebuild", [0, 1], 0, timeouts=timeouts, what="reset", dead_after="save_dead_after",
-                       unknown_after="reset", timeout_name="reset", lives=live)
+barrier = kv.KVBarrier("test/rebuild", [0, 1], 0, timeouts=timeouts, lives=live,
+                       options=kv.BarrierOptions(what="reset", dead_after="save_dead_after", unknown_after="reset",
+                                                 timeout_name="reset"))
 t0 = time.monotonic()
 try:
     barrier(key="rebuild", timeout_ms=30_000)

@@ -52,7 +52,8 @@ data = FlakyBatches(make_dataset(1024), 96, seed=0, fail=args.fail_batch)
 ckpt = None
 if args.checkpoint_every:
     ckpt = jaxft.ElasticCheckpointer(os.path.join(os.environ["JAXFT_RUN_DIR"], "checkpoints"),
-                                     every=args.checkpoint_every, runtime=rt, data=data)
+                                     runtime=rt, data=data,
+                                     options=jaxft.CheckpointOptions(every=args.checkpoint_every))
 
 
 def on_commit(trainer, record):
@@ -63,8 +64,9 @@ def on_commit(trainer, record):
 
 
 trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(1e-2), params, data, runtime=rt, on_commit=on_commit,
-                               reduction=args.reduction, exact_chunks=8 if args.reduction != "allreduce" else None,
-                               pipeline=args.pipeline, commit_every=args.commit_every, check_every=0)
+                               reduction=jaxft.Reduction(args.reduction,
+                                                         chunks=8 if args.reduction != "allreduce" else None),
+                               options=jaxft.LoopOptions(pipeline=args.pipeline, commit_every=args.commit_every))
 if ckpt is not None:
     ckpt.restore(trainer)
 for target in (int(x) for x in args.runs.split(",")):

@@ -24,7 +24,8 @@ def loss_fn(p, b):
 
 
 trainer = jaxft.ElasticTrainer(loss_fn, optax.sgd(0.05), {"w": np.zeros(4, np.float32)},
-                               jaxft.GlobalBatches(data, 8, seed=0), runtime=rt, min_members=args.min_members,
+                               jaxft.GlobalBatches(data, 8, seed=0), runtime=rt,
+                               options=jaxft.LoopOptions(retry=jaxft.RetryPolicy(min_members=args.min_members)),
                                on_commit=lambda t, r: time.sleep(0.2) if args.min_members > 1 else None)
 if args.min_members == 1:
     trainer.run(4)

@@ -1,9 +1,12 @@
 """Orbax async checkpoints by the live set, and a cold restart when every process dies.
 
 * :mod:`~jaxft.worker.checkpoint.layout`: what a checkpoint holds, and its SHA-256.
-* :mod:`~jaxft.worker.checkpoint.orbax`: the Orbax adapter (the only module touching Orbax internals).
+* :mod:`~jaxft.worker.checkpoint.orbax`: the Orbax shim (the only module touching Orbax internals).
+* :mod:`~jaxft.worker.checkpoint.managers`: the Orbax managers a save or a read uses (public API).
+* :mod:`~jaxft.worker.checkpoint.orbax_logs`: Orbax's log lines about what jaxft does on purpose, at DEBUG.
 * :mod:`~jaxft.worker.checkpoint.store`: :class:`CheckpointStore`: async saves by any live subset,
   validated restores, quarantine of broken checkpoints.
+* :mod:`~jaxft.worker.checkpoint.inflight`: a save in flight and the watcher that logs its outcome.
 * :mod:`~jaxft.worker.checkpoint.elastic`: :class:`ElasticCheckpointer`, the trainer's commit hook.
 
 Importing this package imports Orbax (slow): do it before ``jaxft.initialize()``.

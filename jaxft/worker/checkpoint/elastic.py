@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
 
 from jaxft import protocol
 from jaxft.errors import CheckpointDirectoryError, ConfigError, UncommittedSave
@@ -21,7 +20,9 @@ from jaxft.events import EventLog
 from jaxft.protocol import Event
 from jaxft.timeouts import Timeouts
 from jaxft.worker import stopping
-from jaxft.worker.checkpoint.store import CheckpointStore, Restored, _Save
+from jaxft.worker.checkpoint.inflight import _Save
+from jaxft.worker.checkpoint.store import CheckpointStore, Restored
+from jaxft.worker.options import CheckpointOptions
 
 
 def _incarnations(record, trainer=None) -> dict[int, int] | None:
@@ -46,7 +47,7 @@ def check_every(every: int, loop) -> None:
     """Refuse a checkpoint interval the loop's commits never land on: ``on_commit`` runs once
     per commit, at multiples of ``commit_every``, so the other saves would silently not happen.
     A :class:`ConfigError` (exit 78): a restart would only repeat it."""
-    n = getattr(loop, "commit_every", 1)
+    n = loop.options.commit_every
     if every and every % n:
         raise ConfigError(f"ElasticCheckpointer every={every} is not a multiple of the loop's commit_every={n}: "
                           "on_commit runs once per commit, so saves between two commits would never happen")
@@ -57,7 +58,7 @@ def check_committed(loop) -> None:
     pending = getattr(loop, "pending", 0)
     if pending:
         raise UncommittedSave(f"save() at step {loop.step}: its last {pending} steps are not committed yet "
-                              f"(commit_every={loop.commit_every}) and may be undone; save from on_commit or "
+                              f"(commit_every={loop.options.commit_every}) and may be undone; save from on_commit or "
                               "after run()")
 
 
@@ -73,11 +74,12 @@ def resolve_directory(directory: str | os.PathLike | None, environ=os.environ) -
 
 
 class ElasticCheckpointer:
-    """Checkpoints an :class:`~jaxft.ElasticTrainer` every ``every`` committed steps.
+    """Checkpoints an :class:`~jaxft.ElasticTrainer` (or :class:`~jaxft.ElasticLoop`).
 
     Usage::
 
-        ckpt = ElasticCheckpointer(directory, every=5, keep=3, runtime=rt, data=data)
+        ckpt = ElasticCheckpointer(directory, runtime=rt, data=data,
+                                   options=CheckpointOptions(every=5, keep=3))
         trainer = ElasticTrainer(..., on_commit=ckpt.on_commit)   # or call it from yours
         ckpt.restore(trainer)           # before training: cold restore if a checkpoint exists
         trainer.run(num_steps)
@@ -86,25 +88,26 @@ class ElasticCheckpointer:
     Checkpoint ``N`` holds the state after ``N`` committed steps (``trainer.state.step``),
     so it is saved at the commit of step index ``N - 1``. The fault point
     ``during-save`` fires with ``N`` right after the save started and before it completes.
-    ``barrier_timeout_s``, ``async_timeout_s`` and ``dead_after_s`` are those of
-    :class:`CheckpointStore` (None: ``timeouts.save_barrier``, ``.save``,
-    ``.save_dead_after``).
+
+    Args:
+      directory: the checkpoint root.
+      runtime: what :func:`jaxft.initialize` returned (events, fault points and timeouts).
+      data: the :class:`~jaxft.GlobalBatches` (its seed and sizes go into the metadata; a
+        restore with other ones logs ``checkpoint_data_mismatch``).
+      options: :class:`~jaxft.CheckpointOptions` (how often, how many kept, metadata).
+      timeouts: the save's waits (None: the runtime's, else :func:`jaxft.timeouts.current`).
     """
 
-    def __init__(self, directory: str | os.PathLike, *, every: int = 0, keep: int | None = 3, runtime=None,
-                 events: EventLog | None = None, faults=None, data=None, metadata: Mapping[str, Any] | None = None,
-                 barrier_timeout_s: float | None = None, async_timeout_s: float | None = None,
-                 dead_after_s: float | None = None, timeouts: Timeouts | None = None):
-        if every < 0:
-            raise ValueError(f"every must be >= 0, got {every}")
-        self.every = every
-        self.events = events or (runtime.events if runtime is not None else None)
-        self.faults = faults or (runtime.faults if runtime is not None else None)
-        self.store = CheckpointStore(directory, keep=keep, events=self.events,
-                                     barrier_timeout_s=barrier_timeout_s, async_timeout_s=async_timeout_s,
-                                     dead_after_s=dead_after_s, timeouts=timeouts)
-        self.events = self.store.events
-        self.metadata = dict(metadata or {})
+    def __init__(self, directory: str | os.PathLike, *, runtime=None, data=None,
+                 options: CheckpointOptions = CheckpointOptions(), timeouts: Timeouts | None = None):
+        self.options = options
+        self.every = options.every
+        self.faults = runtime.faults if runtime is not None else None
+        timeouts = timeouts or (runtime.timeouts if runtime is not None else None)
+        self.store = CheckpointStore(directory, keep=options.keep,
+                                     events=runtime.events if runtime is not None else None, timeouts=timeouts)
+        self.events: EventLog = self.store.events
+        self.metadata = dict(options.metadata or {})
         if data is not None:  # data order and position are functions of (seed, step) here
             self.metadata.setdefault("data", {"seed": int(data.seed), "global_batch": int(data.global_batch),
                                               "num_examples": int(data.num_examples),

@@ -59,7 +59,7 @@ def state_checksum(step: int, named: Mapping[str, np.ndarray]) -> str:
         a = np.ascontiguousarray(named[name])
         h.update(f"{name}|{a.dtype.name}|{tuple(a.shape)}\n".encode())
         if a.size:
-            h.update(a.reshape(-1).view(np.uint8))
+            h.update(a.reshape(-1).view(np.uint8).data)  # (the bytes, as a memoryview: no copy)
     return "sha256:" + h.hexdigest()
 
 

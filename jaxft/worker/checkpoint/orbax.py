@@ -1,26 +1,10 @@
-"""The Orbax adapter: the only module of jaxft that touches Orbax internals.
+"""The Orbax shim: the only module of jaxft that touches Orbax internals.
 
-Everything else in :mod:`jaxft.worker.checkpoint` talks to Orbax through the builders here
-(:func:`save_manager`, :func:`read_manager`, :func:`sync_manager`, :func:`save_args`,
-:func:`restore_args`) and plain ``CheckpointManager`` methods. Written against
-``orbax-checkpoint`` 0.12.x; ``tests/test_checkpoint.py`` checks the behaviour behind each
-internal used here and fails loudly when one moves.
-
-Public Orbax API used for what jaxft needs
-------------------------------------------
-* ``MultiprocessingOptions(primary_host=min(live), active_processes=set(live),
-  barrier_sync_key_prefix=...)``: every barrier of a save is scoped to its live members
-  (none falls back to ``sync_global_devices``) and the primary is a live process.
-* ``AsyncOptions(barrier_sync_fn=..., create_directories_asynchronously=False)``: the
-  barriers of the background phase go through :class:`SaveBarrier` (a
-  :class:`jaxft.worker.kv.KVBarrier`), which gives up as soon as a missing member is dead;
-  step directories are created synchronously, so no Orbax "signal" crosses processes.
-* ``CheckpointManager.reached_preemption`` (a public method) is overridden to say no:
-  Orbax asks JAX's preemption sync point at every save, and after a SIGTERM notice that
-  agreement involves every process of the job, dead ones included.
-* ``orbax.checkpoint.multihost.process_index`` and ``ocp.path.step.is_path_finalized``
-  (public re-exports, formerly imported from ``orbax.checkpoint._src``), and
-  ``ocp.path.step.TMP_DIR_SUFFIX`` (formerly a copied literal).
+Everything else in :mod:`jaxft.worker.checkpoint` uses Orbax's public API
+(:mod:`~jaxft.worker.checkpoint.managers` builds the managers) and reaches the internals
+only through this module's names. Written against ``orbax-checkpoint`` 0.12.x (checked on
+import, before Orbax itself is imported); ``tests/test_checkpoint.py`` checks the behaviour
+behind each internal used here and fails loudly when one moves.
 
 Internals that remain, and why (no public equivalent in 0.12.8)
 ---------------------------------------------------------------
@@ -74,14 +58,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import re
-import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
-
-import numpy as np
 
 from jaxft.errors import UnsupportedOrbax
 
@@ -115,7 +94,7 @@ def _installed_orbax() -> str:
 
 check_orbax_version(_installed_orbax())
 
-import orbax.checkpoint as ocp
+import orbax.checkpoint as ocp  # (the other modules take ``ocp`` from here: imported once checked)
 
 # Private (see the module docstring, items 1-3).
 from orbax.checkpoint._src.futures import future as _ocp_future
@@ -127,42 +106,6 @@ from orbax.checkpoint.multihost import process_index
 from jaxft.errors import SaveAbandoned
 from jaxft.timeouts import Timeouts
 from jaxft.worker import kv
-
-# -- 0. Orbax's log lines that report what jaxft does on purpose ----------------------------------
-
-# Messages Orbax logs (through absl, i.e. the "absl" Python logger) on every save or rebuild
-# of a manager here, and which describe expected behaviour: demoted to DEBUG.
-_EXPECTED_MESSAGES = ("Given directory is read only", "No jax.Array in TypeHandlerRegistry")
-
-
-def _abandoned(exc: BaseException | None) -> bool:
-    """True when ``exc`` (or an exception it chains from) is jaxft's SaveAbandoned."""
-    seen = 0
-    while exc is not None and seen < 10:
-        if isinstance(exc, SaveAbandoned):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
-
-
-class _ExpectedFilter(logging.Filter):
-    """Demotes Orbax's expected warnings, and the tracebacks its background threads log for a
-    save that jaxft abandoned on purpose (a member died), to DEBUG one-liners."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        abandoned = record.exc_info is not None and _abandoned(record.exc_info[1])
-        if abandoned or any(m in str(record.msg) for m in _EXPECTED_MESSAGES):
-            if abandoned:
-                record.msg = f"{record.getMessage()} (abandoned on purpose: {record.exc_info[1]})"
-                record.args, record.exc_info, record.exc_text = (), None, None
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        return True
-
-
-logging.getLogger("absl").addFilter(_ExpectedFilter())
-
-STATE_ITEM = "state"  # the one item of a jaxft checkpoint (Composite args)
-TMP_SUFFIX = ocp.path.step.TMP_DIR_SUFFIX  # ".orbax-checkpoint-tmp": a save not published yet
 
 # Orbax barrier names (orbax-checkpoint 0.12.x; item 4 of the module docstring).
 COMMIT_KEY = "async_commit_complete"  # after the primary published (background thread)
@@ -281,6 +224,11 @@ def signal_prefix() -> str:
 
 # -- 4. the background-phase barrier ----------------------------------------------------------
 
+# A save's barriers: a member is dead once its heartbeat stalls Timeouts.save_dead_after, or when
+# it reached none of them within Timeouts.save_barrier; the background phase is bounded by .save.
+SAVE_BARRIER = kv.BarrierOptions(what="save", dead_after="save_dead_after", unknown_after="save_barrier",
+                                 timeout_name="save")
+
 class SaveBarrier(kv.KVBarrier):
     """:class:`jaxft.worker.kv.KVBarrier` as the ``AsyncOptions.barrier_sync_fn`` of one save.
 
@@ -298,9 +246,7 @@ class SaveBarrier(kv.KVBarrier):
 
     def __init__(self, namespace: str, processes: Sequence[int], me: int, cancel, *, timeouts: Timeouts,
                  lives: Mapping[int, int] | None = None):
-        super().__init__(namespace, processes, me, cancel, timeouts=timeouts, what="save",
-                         dead_after="save_dead_after", unknown_after="save_barrier", timeout_name="save",
-                         lives=lives)
+        super().__init__(namespace, processes, me, cancel, timeouts=timeouts, options=SAVE_BARRIER, lives=lives)
         self.committed = False  # passed Orbax's "async_commit_complete" barrier
 
     def _arriving(self, key: str, n: int) -> None:
@@ -314,81 +260,7 @@ class SaveBarrier(kv.KVBarrier):
             self.committed = True
 
 
-# -- managers -----------------------------------------------------------------------------------
-
-class LiveSetCheckpointManager(ocp.CheckpointManager):
-    """A ``CheckpointManager`` without JAX's preemption sync point.
-
-    Orbax asks ``multihost_utils.reached_preemption_sync_point`` at every save; after a
-    SIGTERM notice that agreement involves every process of the job, dead ones included.
-    jaxft saves on its own schedule, over the live set only. (Overrides a public method.)
-    """
-
-    def reached_preemption(self, step: int) -> bool:
-        return False
-
-
-def registry(mp: ocp.options.MultiprocessingOptions, numpy_handler: PrimaryNumpyHandler):
-    """A handler registry for the ``state`` item whose numpy arrays go through ``numpy_handler``."""
-    handler = ocp.PyTreeCheckpointHandler(
-        multiprocessing_options=mp,
-        type_handler_registry=ocp.type_handlers.create_type_handler_registry((np.ndarray, numpy_handler)))
-    reg = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    reg.add(STATE_ITEM, ocp.args.PyTreeSave, handler)
-    reg.add(STATE_ITEM, ocp.args.PyTreeRestore, handler)
-    return reg
-
-
-def save_manager(directory: str, members: Sequence[int], prefix: str, *, keep: int | None, barrier: SaveBarrier,
-                 async_timeout_s: float, before_commit: Callable[[], None] | None) -> LiveSetCheckpointManager:
-    """The async manager of one save by ``members`` (primary ``members[0]``)."""
-    members = tuple(members)
-    mp = ocp.options.MultiprocessingOptions(primary_host=members[0], active_processes=set(members),
-                                            barrier_sync_key_prefix=prefix)
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=False, enable_async_checkpointing=True,
-        async_options=ocp.AsyncOptions(timeout_secs=max(1, int(async_timeout_s)), barrier_sync_fn=barrier,
-                                       create_directories_asynchronously=False),
-        multiprocessing_options=mp, save_root_metadata=False, cleanup_tmp_directories=False,
-        lightweight_initialize=True)
-    handler = PrimaryNumpyHandler(members[0], before_commit)
-    return LiveSetCheckpointManager(directory, options=options, handler_registry=registry(mp, handler))
-
-
-def read_manager(directory: str, me: int) -> LiveSetCheckpointManager:
-    """A read-only manager of this process alone (no barrier with anyone)."""
-    mp = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me},
-                                            barrier_sync_key_prefix=f"jaxft_ckpt_read_{me}")
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False, enable_async_checkpointing=False,
-                                           save_interval_steps=0,
-                                           multiprocessing_options=mp, save_root_metadata=False,
-                                           lightweight_initialize=True)
-    return LiveSetCheckpointManager(directory, options=options,
-                                    handler_registry=registry(mp, PrimaryNumpyHandler(me)))
-
-
-def sync_manager(directory: str, me: int, keep: int | None) -> LiveSetCheckpointManager:
-    """A synchronous manager of this process alone, same handler and format (benchmarks)."""
-    mp = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=False, enable_async_checkpointing=False,
-                                           multiprocessing_options=mp, save_root_metadata=False)
-    return LiveSetCheckpointManager(directory, options=options,
-                                    handler_registry=registry(mp, PrimaryNumpyHandler(me)))
-
-
-def save_args(item: Mapping[str, Any]):
-    """``CheckpointManager.save`` args for the ``state`` item ``item``."""
-    return ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeSave(item)})
-
-
-def restore_args(names: Sequence[str]):
-    """``CheckpointManager.restore`` args reading ``step`` and ``leaves/<name>`` as numpy arrays."""
-    np_args = ocp.RestoreArgs(restore_type=np.ndarray)
-    return ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeRestore(
-        restore_args={"step": np_args, "leaves": {n: np_args for n in names}})})
-
-
-# -- 5. and helpers -----------------------------------------------------------------------------
+# -- 5. a manager's checkpointer, released when close() re-raises ------------------------------
 
 def close_quietly(mgr) -> None:
     """Close ``mgr``; if that raises (a failed save re-raises in ``close``), release its
@@ -401,26 +273,3 @@ def close_quietly(mgr) -> None:
         except BaseException:  # noqa: BLE001
             pass
 
-
-def remove_stale_tmp(directory: str, published_step: int) -> None:
-    """Delete abandoned ``<n>.orbax-checkpoint-tmp`` dirs older than a published step.
-
-    (A save of an older step still running elsewhere could only publish a checkpoint
-    that is already superseded; losing it costs nothing.)
-    """
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return
-    for name in names:
-        m = re.fullmatch(r"(\d+)" + re.escape(TMP_SUFFIX) + r".*", name)
-        if m and int(m.group(1)) < published_step:
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-
-
-def is_finalized(path: str) -> bool:
-    """Whether ``path`` is a published (finalized) Orbax step directory."""
-    try:
-        return os.path.isdir(path) and bool(ocp.path.step.is_path_finalized(path))
-    except Exception:  # noqa: BLE001
-        return False

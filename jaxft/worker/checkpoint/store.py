@@ -16,14 +16,15 @@
   SHA-256; a broken one is reported, moved to ``<dir>/rejected/`` and the previous one tried.
 
 Events: ``checkpoint_started``, ``checkpoint_saved``, ``checkpoint_abandoned``,
-``checkpoint_rejected``, ``restored``.
+``checkpoint_rejected``, ``restored``. A save in flight, and the watcher that logs how it
+ended, is :mod:`~jaxft.worker.checkpoint.inflight`; the Orbax managers it saves and reads
+with are built by :mod:`~jaxft.worker.checkpoint.managers`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import os
 import threading
@@ -41,7 +42,8 @@ from jaxft.protocol import Event
 from jaxft.timeouts import Timeouts
 from jaxft.types import PyTree
 from jaxft.worker import deaths, kv
-from jaxft.worker.checkpoint import orbax
+from jaxft.worker.checkpoint import managers, orbax
+from jaxft.worker.checkpoint.inflight import SaveKey, _Save, first_line
 from jaxft.worker.checkpoint.layout import (
     FORMAT,
     _unflatten_like,
@@ -54,111 +56,6 @@ from jaxft.worker.checkpoint.layout import (
 logger = logging.getLogger(__name__)
 
 REJECTED_DIR = "rejected"
-BARRIER_NAMESPACE = "jaxft/ckpt"  # key-value prefix of the background-phase barriers
-
-
-def _digest(members: Sequence[int], incarnations: Mapping[int, int] | None) -> str:
-    incarnations = incarnations or {}
-    text = ",".join(f"{p}:{incarnations.get(p, '?')}" for p in sorted(members))
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
-
-
-def _root_cause(e: BaseException) -> str:
-    """The first line of the exception that started it all (Orbax re-raises in `finally`)."""
-    seen = []
-    while e is not None and e not in seen and len(seen) < 20:
-        seen.append(e)
-        e = e.__cause__ or e.__context__
-    return _first_line(seen[-1])
-
-
-# -- saves in flight ----------------------------------------------------------------------
-
-class _Save:
-    """One async save: its manager, its cancel flag, and a watcher that logs the outcome."""
-
-    def __init__(self, store: CheckpointStore, step: int, members: tuple[int, ...],
-                 incarnations: Mapping[int, int] | None, digest: str, mgr, cancel: threading.Event,
-                 t0: float, blocking_ms: float, prefix: str = "", barrier: orbax.SaveBarrier | None = None):
-        self.store = store
-        self.prefix = prefix
-        self.barrier = barrier
-        self.step = step
-        self.members = members
-        self.incarnations = dict(incarnations or {})
-        self.digest = digest
-        self.mgr = mgr
-        self.cancel = cancel
-        self.t0 = t0
-        self.blocking_ms = blocking_ms
-        self.path = store.step_path(step)
-        self.done = threading.Event()
-        self.ok: bool | None = None
-        self.reason: str | None = None
-        self._error: BaseException | None = None
-        # Not daemon threads: they may call into the distributed client (gRPC), and a daemon
-        # thread caught in such a call at interpreter teardown aborts the process. They end
-        # when Orbax's own (non-daemon) save threads end, which are bounded.
-        self._thread = threading.Thread(target=self._watch, name=f"jaxft-ckpt-{step}")
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _wait_manager(self) -> None:
-        try:
-            self.mgr.wait_until_finished()
-        except BaseException as e:  # noqa: BLE001 - reported, never fatal to training
-            self._error = e
-
-    def _watch(self) -> None:
-        """Log ``checkpoint_saved`` as soon as the step directory is published (the primary's
-        rename), or ``checkpoint_abandoned`` when the save ended without publishing."""
-        waiter = threading.Thread(target=self._wait_manager, name=f"jaxft-ckpt-wait-{self.step}")
-        waiter.start()
-        primary = self.members[0] == self.store.process_id
-        delay = 0.005
-        while True:
-            ended = not waiter.is_alive()
-            if self.ok is None and orbax.is_finalized(self.path):
-                self.ok = True
-                self.store.events.log(Event.CHECKPOINT_SAVED, step=self.step, path=self.path,
-                                      blocking_ms=self.blocking_ms,
-                                      write_ms=round((time.perf_counter() - self.t0) * 1000, 2),
-                                      processes=list(self.members), primary=primary)
-                if primary:
-                    orbax.remove_stale_tmp(self.store.directory, self.step)
-            if ended:
-                break
-            waiter.join(delay)
-            delay = min(delay * 1.5, 0.1)
-        if self.ok is None:
-            self.ok = False
-            self.reason = _root_cause(self._error) if self._error is not None else "not published"
-            if self.barrier is not None:  # e.g. a write error here: peers must not wait for us
-                self.barrier.abandon(self.reason)
-            logger.info("checkpoint %s abandoned: %s", self.path, self.reason)
-            self.store.events.log(Event.CHECKPOINT_ABANDONED, step=self.step, path=self.path, reason=self.reason,
-                                  blocking_ms=self.blocking_ms, processes=list(self.members))
-        orbax.close_quietly(self.mgr)
-        self.done.set()
-
-    def lost_member(self, members: Sequence[int], incarnations: Mapping[int, int] | None) -> bool:
-        """Whether a member of this save is dead (absent, or restarted) in the new member map."""
-        current = set(members)
-        for p in self.members:
-            if p not in current:
-                return True
-            if incarnations and p in self.incarnations and incarnations.get(p) != self.incarnations[p]:
-                return True
-        return False
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self.done.wait(timeout)
 
 
 @dataclasses.dataclass
@@ -183,29 +80,20 @@ class CheckpointStore:
       directory: checkpoint root (created if missing; Orbax gets ``create=False``).
       keep: ``max_to_keep``: complete checkpoints kept (older ones deleted by Orbax).
       events: where ``checkpoint_*`` / ``restored`` events go.
-      barrier_timeout_s: bound of every blocking Orbax barrier (all are scoped to the
-        save's live processes), and how long a save waits for a member that never reached
-        any of its barriers. None: ``timeouts.save_barrier``.
-      async_timeout_s: bound of the background phase (writes and its barriers) of a save
-        whose members all stay alive. None: ``timeouts.save``.
-      dead_after_s: a save member whose heartbeat stalls this long is dead. None:
-        ``timeouts.save_dead_after``.
-      timeouts: the settings the three above default to (None: :func:`jaxft.timeouts.current`).
+      timeouts: the waits (None: :func:`jaxft.timeouts.current`): ``save_barrier`` bounds every
+        blocking Orbax barrier (all scoped to the save's live processes) and how long a save
+        waits for a member that never reached any of its barriers; ``save`` bounds the
+        background phase (writes and its barriers) of a save whose members all stay alive; a
+        save member whose heartbeat stalls ``save_dead_after`` is dead.
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep: int | None = 3, events: EventLog | None = None,
-                 process_id: int | None = None, barrier_timeout_s: float | None = None,
-                 async_timeout_s: float | None = None, dead_after_s: float | None = None,
-                 timeouts: Timeouts | None = None):
-        self.timeouts = (timeouts or timeouts_lib.current()).replace(
-            save_barrier=barrier_timeout_s, save=async_timeout_s, save_dead_after=dead_after_s)
+                 process_id: int | None = None, timeouts: Timeouts | None = None):
+        self.timeouts = timeouts or timeouts_lib.current()
         self.directory = os.path.abspath(os.fspath(directory))
-        self.dead_after_s = self.timeouts.save_dead_after
         self.keep = keep
         self.process_id = jax.process_index() if process_id is None else process_id
         self.events = events or EventLog(None, self.process_id)
-        self.barrier_timeout_s = self.timeouts.save_barrier
-        self.async_timeout_s = self.timeouts.save
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise CheckpointDirectoryError(f"checkpoint directory {self.directory} exists and is not a directory")
         try:
@@ -213,7 +101,7 @@ class CheckpointStore:
         except OSError as e:
             raise CheckpointDirectoryError(f"cannot create the checkpoint directory {self.directory} "
                                            f"({e.strerror or e})") from None
-        orbax.set_barrier_timeout(self.barrier_timeout_s)
+        orbax.set_barrier_timeout(self.timeouts.save_barrier)
         orbax.private_signal_keys()
         self._current: _Save | None = None
         self._detached: list[_Save] = []
@@ -223,12 +111,11 @@ class CheckpointStore:
         return os.path.join(self.directory, str(int(step)))
 
     # -- saving -------------------------------------------------------------------------
-    def _manager(self, members: tuple[int, ...], prefix: str, cancel: threading.Event,
-                 before_commit: Callable[[], None] | None, incarnations: Mapping[int, int] | None):
-        barrier = orbax.SaveBarrier(f"{BARRIER_NAMESPACE}/{prefix}", members, self.process_id, cancel,
-                                    timeouts=self.timeouts, lives=incarnations)
-        mgr = orbax.save_manager(self.directory, members, prefix, keep=self.keep, barrier=barrier,
-                                 async_timeout_s=self.async_timeout_s, before_commit=before_commit)
+    def _manager(self, key: SaveKey, cancel: threading.Event, before_commit: Callable[[], None] | None):
+        barrier = orbax.SaveBarrier(key.namespace, key.members, self.process_id, cancel,
+                                    timeouts=self.timeouts, lives=key.incarnations)
+        mgr = managers.save_manager(self.directory, key.members, key.prefix, keep=self.keep, barrier=barrier,
+                                    async_timeout_s=self.timeouts.save, before_commit=before_commit)
         return mgr, barrier
 
     def save(self, step: int, tree: PyTree, *, members: Sequence[int] | None = None,
@@ -245,12 +132,12 @@ class CheckpointStore:
         members = tuple(sorted(set(members) if members else {me}))
         if me not in members:
             raise ValueError(f"process {me} saves but is not among members {list(members)}")
-        digest = _digest(members, incarnations)
+        key = SaveKey.of(step, members, incarnations)
         self.notice_members(members, incarnations)
         prev = self._current
         self._current = None
         if prev is not None:
-            if prev.digest == digest and not prev.wait(self.timeouts.save):
+            if prev.digest == key.digest and not prev.wait(self.timeouts.save):
                 # Orbax semantics: one save at a time per manager lineage; this one is stuck.
                 prev.cancel.set()
                 logger.warning("checkpoint %s still running after %s; abandoning it", prev.path,
@@ -286,31 +173,30 @@ class CheckpointStore:
             checksum_done.set()
 
         cancel = threading.Event()
-        prefix = f"jaxft_ckpt_{digest}_{step}"
         mgr = barrier = None
         try:
-            mgr, barrier = self._manager(members, prefix, cancel, before_commit, incarnations)
+            mgr, barrier = self._manager(key, cancel, before_commit)
             # Orbax refuses zero-size arrays: they live in the layout (dtype, shape) only.
             item = {"step": named_step, "leaves": {n: a for n, a in named.items() if a.size}}
             with self._deaths_cancel(cancel, members, incarnations), orbax.blocking_barriers(barrier):
-                mgr.save(step, args=orbax.save_args(item), custom_metadata=meta, force=True)
+                mgr.save(step, args=managers.save_args(item), custom_metadata=meta, force=True)
         except Exception as e:  # noqa: BLE001 - a failed save must not stop training
             cancel.set()
             checksum_done.set()
             if barrier is not None:
-                barrier.abandon(_first_line(e))
+                barrier.abandon(first_line(e))
             if mgr is not None:
                 orbax.close_quietly(mgr)
-            logger.info("checkpoint %s abandoned in its blocking phase: %s", self.step_path(step), _first_line(e))
-            self.events.log(Event.CHECKPOINT_ABANDONED, step=step, path=self.step_path(step), reason=_first_line(e),
+            logger.info("checkpoint %s abandoned in its blocking phase: %s", self.step_path(step), first_line(e))
+            self.events.log(Event.CHECKPOINT_ABANDONED, step=step, path=self.step_path(step), reason=first_line(e),
                             phase="blocking", processes=list(members))
             return None
         blocking_ms = round((time.perf_counter() - t0) * 1000, 2)
         self.events.log(Event.CHECKPOINT_STARTED, step=step, blocking_ms=blocking_ms, processes=list(members))
-        if prev is not None and prev.digest == digest and me == members[0] and len(members) > 1:
+        if prev is not None and prev.digest == key.digest and me == members[0] and len(members) > 1:
             # Every member finished the previous save before this one's barriers passed.
-            kv.delete_dir(f"{BARRIER_NAMESPACE}/{prev.prefix}")
-        save = _Save(self, step, members, incarnations, digest, mgr, cancel, t0, blocking_ms, prefix, barrier)
+            kv.delete_dir(prev.key.namespace)
+        save = _Save(self, key, mgr, barrier, cancel, t0, blocking_ms)
         save.start()
         self._current = save
         return save
@@ -363,7 +249,7 @@ class CheckpointStore:
     def close(self, timeout: float | None = None) -> bool:
         """Wait (bounded, by default by ``Timeouts.save``) for saves in flight; abandon
         those that outlast ``timeout``."""
-        timeout = self.async_timeout_s if timeout is None else timeout
+        timeout = self.timeouts.save if timeout is None else timeout
         finished = self.wait(timeout)
         if not finished:
             logger.info("saves still in flight after %.0f s (%s): abandoning them", timeout,
@@ -375,7 +261,7 @@ class CheckpointStore:
 
     # -- restoring ----------------------------------------------------------------------
     def _reader(self):
-        return orbax.read_manager(self.directory, self.process_id)
+        return managers.read_manager(self.directory, self.process_id)
 
     def steps(self) -> list[int]:
         """Finalized (published) steps, oldest first. Each process reads on its own."""
@@ -401,12 +287,12 @@ class CheckpointStore:
             try:
                 meta = mgr.metadata(step).custom_metadata or {}
             except Exception as e:
-                raise CheckpointRejected(path, f"unreadable metadata: {_first_line(e)}") from e
+                raise CheckpointRejected(path, f"unreadable metadata: {first_line(e)}") from e
             layout, names, empty = check_metadata(path, step, meta)
             try:
-                item = mgr.restore(step, args=orbax.restore_args(names))[orbax.STATE_ITEM]
+                item = mgr.restore(step, args=managers.restore_args(names))[managers.STATE_ITEM]
             except Exception as e:
-                raise CheckpointRejected(path, f"read failed: {_first_line(e)}") from e
+                raise CheckpointRejected(path, f"read failed: {first_line(e)}") from e
         finally:
             orbax.close_quietly(mgr)
         named = verified_leaves(path, step, meta, item, names, empty)

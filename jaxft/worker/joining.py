@@ -1,0 +1,226 @@
+"""Ready admission, the group's side: how a process enters the members' step, and how the
+members let it in.
+
+A restarted (or late) process does its set-up while the members keep committing steps at
+their width. Its first step (:meth:`Joining.entry_query` with a
+:class:`~jaxft.core.commit.FirstStep` plan) either finds no running members (a cold start:
+every process forms the first member set) or announces itself ready and waits until the
+members' votes admit it (:mod:`jaxft.worker.admission` holds the key-value protocol of both).
+The members vote inside their step (:meth:`Joining.votes`) and admit at its commit
+(:meth:`Joining.admit`); the joiner is met at their next step's entry query.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import jax
+
+from jaxft import priority
+from jaxft.core import commit as commit_core
+from jaxft.errors import BarrierTimeout
+from jaxft.timeouts import Timeouts
+from jaxft.worker import admission as admission_lib
+from jaxft.worker import deaths as deaths_lib
+from jaxft.worker.hang import HangMonitor
+from jaxft.worker.watchdog import hard_exit
+
+if TYPE_CHECKING:
+    import numpy as np
+
+logger = logging.getLogger(__name__)
+_STARTED_AT = time.time()  # (imported at this process's start-up)
+
+Watch = Callable[..., contextlib.AbstractContextManager]
+
+
+class Joining:
+    """One process's admission state (ready admission).
+
+    Args:
+      process_id: this process.
+      timeouts: ``admission`` bounds the wait for the members to drop this process's
+        previous life; ``heartbeat`` sets how long the joiner waits for gone members.
+      hang: the step monitor (set-up before admission is exempt from its deadline).
+      step: the step protocol's state (:class:`jaxft.core.commit.MemberStep`).
+      watch: bounds one barrier wait (:meth:`jaxft.worker.watchdog.Watchdog.watch`).
+      run_finished: whether the peers finished the run this process is in.
+      nobody_runs: the launcher said no member runs (a cold start whatever the service holds).
+    """
+
+    def __init__(self, process_id: int, timeouts: Timeouts, hang: HangMonitor, step: commit_core.MemberStep,
+                 watch: Watch, run_finished: Callable[[], bool], nobody_runs: bool):
+        self.process_id, self.timeouts, self.hang, self.step = process_id, timeouts, hang, step
+        self._watch, self._run_finished, self._nobody_runs = watch, run_finished, nobody_runs
+        self._before_announce: list[tuple[Callable[[tuple[int, ...]], None], bool]] = []
+        self._on_cold_start: list[Callable[[], None]] = []
+        self._admitted_by: dict[int, int] = {}  # the members (process -> incarnation) that admitted this process
+        self._admitted_at: float | None = None  # when the joiners being admitted were admitted
+        self._watcher: admission_lib.ReadyWatcher | None = None
+
+    # -- hooks ------------------------------------------------------------------------
+    def before_admission(self, hook: Callable[[tuple[int, ...]], None], may_raise: bool = False) -> None:
+        """See :meth:`jaxft.ElasticGroup.before_admission`."""
+        if may_raise:
+            self._before_announce.insert(0, (hook, True))
+        else:
+            self._before_announce.append((hook, False))
+
+    def on_cold_start(self, hook: Callable[[], None]) -> None:
+        """See :meth:`jaxft.ElasticGroup.on_cold_start`."""
+        self._on_cold_start.append(hook)
+
+    def committed(self) -> None:
+        """This life committed a step: a put-off cold-start set-up is never needed in it."""
+        self._on_cold_start = []
+
+    def members_listed(self) -> bool:
+        """Whether the members of a running job have published their list (one key-value read)."""
+        return admission_lib.Joiner(self.process_id, self.timeouts).listed_members() is not None
+
+    # -- a joiner's way in ------------------------------------------------------------
+    def entry_query(self, client, plan: commit_core.QueryEntry | commit_core.FirstStep,
+                    deaths: deaths_lib.DeathWatch) -> dict[int, int]:
+        """The step's entry liveness query over the members plus those admitted at the last
+        commit; on this process's first step over what :meth:`_join` says."""
+        while True:
+            give_up = None
+            expect: frozenset[int] = frozenset()
+            lives: Mapping[int, int] | None = None
+            if isinstance(plan, commit_core.FirstStep):
+                pids, alive_at, cold = self._join()
+                priority.restore()  # a restart set up niced (see jaxft.priority): it joins now
+                # lives that died before alive_at - 1 s are earlier lives (a restart connects only
+                # heartbeat + 1.5 s after a death): a record counts only against a later one
+                deaths.assume_alive_since(pids, alive_at - 1.0)
+                if cold:
+                    if self._run_finished():  # the members finished while this process set up: a
+                        # cold start would train the run again from its checkpoint, alone
+                        hard_exit(0, f"jaxft: the run finished before process {self.process_id} joined it; exiting 0")
+                    self._run_cold_start_hooks()
+                    # a cold start, as far as this process could tell: if the others started
+                    # without it meanwhile (it came up late, or is the restart of one that
+                    # died in their first step), this query would never be answered
+                    give_up = admission_lib.started_without(self.process_id)
+                # admitted: a member's state will replace what the put-off hooks would set up; they
+                # are kept until this life's first commit, for the case the members die first
+            else:
+                pids, expect, lives = list(plan.pids), plan.expect, plan.lives
+            try:
+                with self._watch("entering a step"):
+                    return deaths.live_nodes(client.get_live_nodes, pids, expect=expect, give_up=give_up,
+                                             since=self._admitted_at, lives=lives)
+            except deaths_lib.GaveUp:
+                logger.info("process %d: the others started without it; joining them", self.process_id)
+
+    def check_entry(self, entry: Mapping[int, int]) -> None:
+        """Until this process's first commit: if none of the lives that admitted it is in the
+        step it enters, the run ended (exit 0) or they all died, and the processes of this step
+        start cold (the set-up each put off runs now, once, so the run goes on from the newest
+        checkpoint rather than from a joiner's initial state)."""
+        if not self.step.joining:
+            return
+        if self._admitted_by:
+            gone = not any(entry.get(p) == i for p, i in self._admitted_by.items())
+        else:
+            gone = set(entry) == {self.process_id}
+        if not gone:
+            return
+        deadline = time.monotonic() + 2.0  # members mark the run finished right after its last step
+        while time.monotonic() < deadline:
+            if self._run_finished():
+                hard_exit(0, f"jaxft: the run finished as process {self.process_id} was admitted; exiting 0")
+            time.sleep(0.1)
+        logger.warning("process %d: the members that admitted it are gone; going on without them, from its "
+                       "put-off set-up (the newest checkpoint, if any)", self.process_id)
+        self._run_cold_start_hooks()
+
+    def _run_cold_start_hooks(self) -> None:
+        hooks, self._on_cold_start = self._on_cold_start, []
+        with self.hang.busy():  # (a restore may take a while; nobody waits for it yet)
+            for hook in hooks:
+                hook()
+
+    def _join(self) -> tuple[list[int], float, bool]:
+        """This process's first step: the barrier's process ids, when they were all alive, and
+        whether this is a cold start (every process forms the first member set); when a run
+        is going on, it waits to be admitted."""
+        everyone = sorted({d.process_index for d in jax.devices()})
+        if self._run_finished():
+            hard_exit(0, f"jaxft: the run finished before process {self.process_id} could join; exiting 0")
+        if self._nobody_runs:  # a cold start: no member list to wait on, whatever the service still holds
+            self._nobody_runs = False
+            # every earlier life died before this process started, and a death record counts
+            # against a life seen alive up to 1 s before it (see entry_query)
+            return everyone, max(time.time(), _STARTED_AT + 1.0), True
+        joiner = admission_lib.Joiner(self.process_id, self.timeouts)
+        listed_since = time.monotonic()
+        while True:
+            running = joiner.running_members(settle_s=max(1.5, 0.5 * self.timeouts.heartbeat))
+            if running is None:
+                return everyone, time.time(), True
+            if self.process_id not in running:
+                break
+            # Still listed: the members have not yet entered a step without this process's
+            # previous life (they will at their next step, once they saw it die).
+            if time.monotonic() - listed_since > self.timeouts.admission:
+                raise BarrierTimeout(f"process {self.process_id}: the running members still list its "
+                                     f"previous life after {self.timeouts.describe('admission')}")
+            time.sleep(0.2)
+        self._set_up(tuple(sorted(set(running) | {self.process_id})))
+        joiner.announce()
+        t0 = time.monotonic()
+        with self._watch("waiting to be admitted"):  # exits 0 if the run finishes meanwhile
+            admitted = joiner.wait_admitted(members_gone_s=self.timeouts.heartbeat + 2.0)
+        if admitted is None:  # every member died meanwhile: start with the others' restarts
+            logger.warning("process %d: the members stopped while it waited to be admitted; starting cold",
+                           self.process_id)
+            return everyone, time.time(), True
+        pids, alive_at, self._admitted_by = admitted
+        self.step.joining = True
+        logger.info("process %d admitted after %.2f s with %s", self.process_id, time.monotonic() - t0, pids)
+        return pids, alive_at, False
+
+    def _set_up(self, expected: tuple[int, ...]) -> None:
+        """The before-admission hooks, for the member set this process expects to enter."""
+        with self.hang.busy():  # a compile may take a while; nobody waits for this process yet
+            for hook, may_raise in self._before_announce:
+                if may_raise:  # (a check: a joiner it refuses must never be admitted)
+                    hook(expected)
+                    continue
+                try:
+                    hook(expected)
+                except Exception:
+                    logger.exception("process %d: set-up before admission failed", self.process_id)
+
+    # -- the members' side ------------------------------------------------------------
+    def votes(self, process_ids: Sequence[int]) -> np.ndarray:
+        """This member's view of the ready joiners (int32 per process id)."""
+        if self._watcher is None:
+            self._watcher = admission_lib.ReadyWatcher(jax.process_count())
+        return self._watcher.votes(process_ids)
+
+    def admit(self, process_ids: Sequence[int], incarnations: Mapping[int, int], agreed_votes,
+              deaths: deaths_lib.DeathWatch | None) -> tuple[int, ...]:
+        """After a commit: the joiners every member agreed on enter at the next step."""
+        joiners = tuple(p for p, v in enumerate(agreed_votes) if v == admission_lib.READY and p not in process_ids)
+        if joiners:
+            self.step.admit(joiners)
+            self._admitted_at = time.monotonic()
+            if deaths is not None:
+                # a joiner is a new life (it connected >= heartbeat + 1.5 s after any earlier
+                # death of its process id): earlier death records must not count against it
+                deaths.assume_alive_since(joiners, time.time() - 1.0)
+            assert self._watcher is not None
+            self._watcher.admit(joiners, sorted(set(process_ids) | set(joiners)), incarnations)
+        return joiners
+
+    def stop_watching(self) -> None:
+        """The run ended: stop watching for joiners until the next run's first step."""
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
