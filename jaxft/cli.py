@@ -1,4 +1,4 @@
-"""``jaxft`` command line: ``launch``, ``coordinator`` (thin: parse, then call)."""
+"""``jaxft`` command line: ``launch``, ``coordinator``, ``slurm``, ``report``, ``bench`` (thin: parse, then call)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import NoReturn
 from jaxft import bench
 from jaxft.coordinator import DEFAULT_HEARTBEAT_TIMEOUT, Coordinator, serve_forever
 from jaxft.errors import Error, LaunchError
-from jaxft.supervisor import crashloop, report
+from jaxft.supervisor import crashloop, report, slurm
 from jaxft.supervisor.launch_config import LaunchConfig, Output, Service, Shutdown, Topology
 from jaxft.supervisor.launcher import Launcher
 from jaxft.supervisor.procs import detect_gpus
@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_launch(sub)
     _add_coordinator(sub)
+    slurm.add_parser(sub)
     bench.add_parser(sub)
     r = sub.add_parser("report", help="summarise a run directory's events (with its goodput), or compare runs")
     r.add_argument("run_dir", nargs="+", help="a run directory; two or more are compared side by side")
@@ -187,6 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.cmd == "launch":
             return _launch(args, parser)
+        if args.cmd == "slurm":
+            return slurm.SlurmSupervisor(slurm.config_from_args(args), slurm.Allocation.from_env()).run()
         if args.cmd == "report":
             return report.main(args.run_dir, args.json, args.png)
         if args.cmd == "bench":

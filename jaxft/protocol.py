@@ -54,6 +54,8 @@ def peers_may_run(environ: Mapping[str, str]) -> bool | None:
     """The launcher's word on a restart (:data:`PEERS_RUNNING`): a member may run on (True),
     none does (False), or nothing said (None: a first life, or no jaxft launch)."""
     return {"1": True, "0": False}.get(environ.get(PEERS_RUNNING, ""))
+NODE_BEAT = "JAXFT_NODE_BEAT"  # a file the agent rewrites every second (``jaxft slurm`` watches it)
+SLURM_REQUEUE = "JAXFT_SLURM_REQUEUE"  # a SLURM job id: an agent that lost the service for good requeues it
 BASE_NICE = "JAXFT_BASE_NICE"  # the nice value a niced restart returns to when it joins (jaxft launch --nice-restarts)
 
 
@@ -134,6 +136,31 @@ def recorded_deaths(state_dir: str) -> dict[int, float]:
     return out
 
 
+# -- an agent's heartbeat (agent -> ``jaxft slurm``) --------------------------------------------------
+
+BEAT_EXIT = "exit"  # an agent's last beat: "exit CODE", written before it exits
+
+
+def write_beat(path: str, text: str) -> None:
+    """Agent side: replace the heartbeat file ``path`` with ``text`` (whole: a reader never
+    sees half of it). The watcher compares contents on its own clock, never file times, so a
+    shared filesystem's clocks and attribute caches do not matter."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def read_beat(path: str) -> str | None:
+    """Watcher side: the heartbeat file's text; None while there is none."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
 # -- events ---------------------------------------------------------------------------------------
 
 class Event:
@@ -144,6 +171,8 @@ class Event:
     RUN_START, RUN_END, LAUNCH, EXIT, RESTART = "run_start", "run_end", "launch", "exit", "restart"
     CRASH_LOOP, INTERRUPTED, RETIRE_FAILED = "crash_loop", "interrupted", "retire_failed"
     COORDINATOR_LOST, COORDINATOR_BACK, COORDINATOR_GONE = "coordinator_lost", "coordinator_back", "coordinator_gone"
+    # jaxft slurm: a node's agent lost (no heartbeat), an agent started for a rank (first, spare, returned node)
+    NODE_LOST, NODE_STARTED, JOB_REQUEUED = "node_lost", "node_started", "job_requeued"
     # both (a fault fired: by the launcher's clock, or at a worker's fault point)
     FAULT, HUNG = "fault", "hung"
     # a worker's life

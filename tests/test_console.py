@@ -2,7 +2,7 @@
 
 from helpers import MLP, PYTHON, launch
 
-from jaxft.supervisor.tracker import RunTracker
+from jaxft.supervisor.tracker import LEFT, RunTracker
 
 
 def _ev(t, event, **fields):
@@ -147,3 +147,30 @@ def test_summary_counts_the_steps_a_failure_undid_before_their_commit():
     assert (s["failed_step_attempts"], s["steps_undone"]) == (1, 4), s
     assert "steps retried       1 (and 4 run but undone, by process, before their commit)" in format_summary(s)
     assert "undone" not in format_summary(summarize(_healthy_start([0, 1], 2)))
+
+
+def test_another_nodes_processes_lost_and_replaced_are_an_incident_here():
+    """An agent sees no exit of another node's processes: their leaving the step, and jaxft
+    slurm's node events, still make an incident on its console."""
+    m4 = [0, 1, 2, 3]
+    events = _healthy_start(m4, 4)
+    events += [_ev(6.0, "step_failed", process=0, step=4),
+               _ev(6.5, "commit", process=0, step=4, members=[0, 1]),  # 2 and 3 are gone: no exit seen here
+               _ev(9.0, "node_lost", process="slurm", rank=1, node="n1", reason="no heartbeat for 5.0 s",
+                   processes=[2, 3]),
+               _ev(9.1, "node_started", process="slurm", rank=1, node="n2", generation=1, why="spare",
+                   processes=[2, 3]),
+               _ev(9.5, "commit", process=0, step=5, members=[0, 1])]
+    tracker = RunTracker(4)
+    assert [s for e in events[:-3] for s in tracker.feed(e)] == []
+    assert tracker.open is not None and tracker.open.deaths == {2: LEFT, 3: LEFT}  # before jaxft slurm says more
+    assert [s for e in events[-3:] for s in tracker.feed(e)] == []
+    assert tracker.incidents_seen == 1 and tracker.width == 2
+    back = [_ev(12.0, "rehydrated", process=2, step=8, donor=0, seconds=0.2),
+            _ev(12.0, "rehydrated", process=3, step=8, donor=0, seconds=0.2),
+            *(_ev(12.5, "commit", process=p, step=8, members=m4) for p in m4)]
+    stories = [s for e in back for s in tracker.feed(e)]
+    assert stories == ["processes 2, 3 died at step 4 (node n1 lost); "
+                       "node n1 (rank 1) lost: no heartbeat for 5.0 s; rank 1: new agent on n2 (a spare); "
+                       "process 2 rejoined at step 8, rehydrated from process 0 "
+                       "in 0.2 s; process 3 rejoined at step 8, rehydrated from process 0 in 0.2 s"]

@@ -1,6 +1,7 @@
 """Across real network hosts: three network namespaces with their own IPs, the coordinator
-on a fourth address, one jaxft agent per host (the SLURM recipe's commands with a fake
-SLURM environment), two workers per host, examples/mlp.py.
+on a fourth address, one jaxft agent per host (``jaxft launch --nnodes 3 --node-rank R``,
+started by the test: no scheduler; runs under a real SLURM are in test_slurm.py), two workers
+per host, examples/mlp.py.
 
 (a) fault-free; (b) host 1 killed whole (agent and workers, SIGKILL) at step >= 15 and its
 agent started again 5 s later; (c) host 2 cut off the network for 3x the heartbeat
@@ -44,7 +45,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 class Job:
-    """The coordinator in the root namespace and one agent per host, as in examples/cluster/slurm.sbatch."""
+    """The coordinator in the root namespace and one agent per host."""
 
     def __init__(self, h: Hosts, run_dir: Path, worker_args: tuple[str, ...] = ()):
         self.h, self.run_dir, self.worker_args = h, run_dir, worker_args
@@ -61,17 +62,17 @@ class Job:
                                 stderr=subprocess.STDOUT)
 
     def start_coordinator(self) -> None:
-        env = _env(JAXFT_BIND=self.h.gateway, JAXFT_HEARTBEAT_TIMEOUT=str(HEARTBEAT))
-        self.coordinator = self._popen(["bash", "examples/cluster/slurm_coordinator.sh", str(self.port),
-                                        str(NODES * PER_NODE)], env, "coordinator")
+        self.coordinator = self._popen(["jaxft", "coordinator", "--bind", self.h.gateway, "--port", str(self.port),
+                                        "--num-processes", str(NODES * PER_NODE), "--heartbeat-timeout",
+                                        str(HEARTBEAT)], _env(), "coordinator")
 
     def start_agent(self, node: int) -> None:
-        env = _env(SLURM_NNODES=str(NODES), SLURM_NODEID=str(node),
-                   JAXFT_AGENT_ARGS=f"-n {PER_NODE} --gpus none --gloo-interface eth0 "
-                                    f"--heartbeat-timeout {HEARTBEAT} --max-restarts 20")
-        args = self.h.command(node, ["bash", "examples/cluster/slurm_agent.sh", self.address, self.run_dir,
-                                     *WORKER, *self.worker_args, "--final_params", self.run_dir / "final"])
-        self.agents[node].append(self._popen(args, env, f"agent{node}.{len(self.agents[node])}"))
+        agent = ["jaxft", "launch", "--nnodes", str(NODES), "--node-rank", str(node), "--coordinator", self.address,
+                 "--restart", "on-failure", "--run-dir", self.run_dir, "-n", str(PER_NODE), "--gpus", "none",
+                 "--gloo-interface", "eth0", "--heartbeat-timeout", str(HEARTBEAT), "--max-restarts", "20", "--",
+                 *WORKER, *self.worker_args, "--final_params", self.run_dir / "final"]
+        self.agents[node].append(self._popen(self.h.command(node, agent), _env(),
+                                             f"agent{node}.{len(self.agents[node])}"))
 
     def events(self) -> list[dict]:
         return read_events(self.run_dir)
@@ -206,6 +207,7 @@ def _same_as(reference: dict, run_dir: Path) -> float:
     return worst
 
 
+@pytest.mark.soak  # the default suite runs agents across hosts under SLURM (test_slurm.py)
 def test_fault_free_across_hosts(reference):
     for p, leaves in reference.items():  # bitwise: the width never changed
         for name, value in leaves.items():

@@ -49,10 +49,11 @@ class Console:
     progress line and incident stories tailed from ``events.jsonl``."""
 
     def __init__(self, mode: str, run_dir: str | None, out: TextIO = sys.stdout,
-                 num_processes: int | None = None, progress_every: float = 10.0):
+                 num_processes: int | None = None, progress_every: float = 10.0, tag: str = "[jaxft]"):
         if mode not in CONSOLE_MODES:
             raise ValueError(f"console mode must be one of {CONSOLE_MODES}, got {mode!r}")
         self.mode = mode
+        self.tag = tag  # what each line starts with: "[jaxft]", or "[jaxft node R]" for one node's agent of many
         self.run_dir = run_dir
         self.out = out
         self.progress_every = progress_every
@@ -90,14 +91,14 @@ class Console:
                 self._launcher_log.write(f"{time.strftime('%H:%M:%S')} {text}\n")
                 self._launcher_log.flush()
             else:
-                self.out.write(f"[jaxft] {text}\n")
+                self.out.write(f"{self.tag} {text}\n")
                 self.out.flush()
 
     def warn(self, text: str) -> None:
         """A launcher message a person must see in every mode (and in ``launcher.log``)."""
         self.say(text)
         if self.progress:
-            self._print(f"[jaxft] {text}")
+            self._print(f"{self.tag} {text}")
 
     def _print(self, text: str) -> None:
         with self._lock:
@@ -139,7 +140,7 @@ class Console:
             if run_dir_note:
                 self.say(f"run dir {self.run_dir}{run_dir_note}")
             return
-        self._print(f"[jaxft] run dir {self.run_dir}{run_dir_note}; worker output in {self.logs_dir}/")
+        self._print(f"{self.tag} run dir {self.run_dir}{run_dir_note}; worker output in {self.logs_dir}/")
         self._offset = self._events_size()  # a relaunch into a used run dir tells only its own story
         # The launcher's own native stderr (the coordination service's C++ log lines) goes to
         # logs/launcher.log until close(); Python-level errors are printed after close().
@@ -165,10 +166,10 @@ class Console:
             self._drain()
             now = time.time()
             if self._live is not None:
-                self._live.update(f"[jaxft] {self.tracker.line(now)}")
+                self._live.update(f"{self.tag} {self.tracker.line(now)}")
             elif now - last_plain >= self.progress_every:
                 last_plain = now
-                self._print(f"[jaxft] {self.tracker.line(now)}")
+                self._print(f"{self.tag} {self.tracker.line(now)}")
 
     def _events_size(self) -> int:
         """How many bytes ``events.jsonl`` holds now (the events of earlier launches)."""
@@ -197,13 +198,13 @@ class Console:
             except ValueError:
                 continue
             for story in self.tracker.feed(e):
-                self._print(f"[jaxft] incident: {story}")
+                self._print(f"{self.tag} incident: {story}")
             if e.get("event") == Event.EXIT:
                 self._maybe_show_tail(e)
             elif e.get("event") == Event.CRASH_LOOP:
-                self._print(f"[jaxft] {crash_loop_message(e)}")
+                self._print(f"{self.tag} {crash_loop_message(e)}")
             elif e.get("event") == Event.INTERRUPTED:
-                self._print(f"[jaxft] received {e.get('signal')}; stopping all workers")
+                self._print(f"{self.tag} received {e.get('signal')}; stopping all workers")
 
     def _maybe_show_tail(self, e: dict) -> None:
         """A worker that exited with an error code (not a signal, not on purpose): its last lines."""
@@ -215,11 +216,11 @@ class Console:
         where = self.log_path(p, life)
         before = self._shown.get(p)
         if before is not None and tail and before[1] == tail:  # a crash repeated: once is enough
-            self._print(f"[jaxft] process {p} exited with code {code}; the same last lines as incarnation "
+            self._print(f"{self.tag} process {p} exited with code {code}; the same last lines as incarnation "
                         f"{before[0]} ({where})")
             return
         self._shown[p] = (life, tail)
-        self._print(f"[jaxft] process {p} exited with code {code}; its last lines ({where}):")
+        self._print(f"{self.tag} process {p} exited with code {code}; its last lines ({where}):")
         for line in tail:
             self._print(f"    | {line}")
 
@@ -236,18 +237,18 @@ class Console:
             self._live.stop()
             self._live = None
         for story in self.tracker.finish():
-            self._print(f"[jaxft] incident: {story}")
+            self._print(f"{self.tag} incident: {story}")
         t = self.tracker
         if t.commit_times:
-            self._print(f"[jaxft] {t.line(time.time())}")
+            self._print(f"{self.tag} {t.line(time.time())}")
         shas = set(t.finals.values())
         if t.finals:
             agree = f"identical params (sha256 {next(iter(shas))[:12]})" if len(shas) == 1 else \
                 f"DIFFERENT params ({len(shas)} distinct sha256)"
             n = len(t.finals)
-            self._print(f"[jaxft] {n} process{'es' if n != 1 else ''} finished at step {t.step} with {agree}")
+            self._print(f"{self.tag} {n} process{'es' if n != 1 else ''} finished at step {t.step} with {agree}")
         n = t.incidents_seen
-        self._print(f"[jaxft] done in {wall_s:.1f} s, exit code {exit_code}; {n} incident{'s' if n != 1 else ''}; "
+        self._print(f"{self.tag} done in {wall_s:.1f} s, exit code {exit_code}; {n} incident{'s' if n != 1 else ''}; "
                     "restarts " + ", ".join(f"p{p}={n}" for p, n in sorted(restarts.items())))
         if self._launcher_log is not None:
             self._launcher_log.close()

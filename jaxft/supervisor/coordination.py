@@ -72,6 +72,11 @@ class ServiceLink:
                               f"(at most {self.timeouts.describe('initialization')})")
             self.events.log(Event.COORDINATOR_LOST, coordinator=address, source="launcher")
 
+    def reachable(self) -> bool:
+        """Whether the service answers now (one this launcher hosts always does)."""
+        address = self._external_address()
+        return address is None or wait_reachable(address, 0.5) is None
+
     def back(self, now: float) -> bool:
         """While the external coordinator is lost, hold restarts until it answers again, for
         at most ``Timeouts.initialization``; False when that bound ran out."""

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import sys
 import time
 from typing import TextIO
 
-from jaxft import faults
+from jaxft import faults, protocol
 from jaxft.events import EventLog
 from jaxft.protocol import EXIT_HUNG, Event
 from jaxft.supervisor import crashloop
@@ -42,11 +43,40 @@ from jaxft.supervisor.launch_config import (
 )
 from jaxft.supervisor.procs import _exited, _is_stopped
 from jaxft.supervisor.restarts import Action, Reason, RestartPolicy
+from jaxft.supervisor.slurm import requeue
 from jaxft.supervisor.workers import Worker, WorkerPool, exit_status
 
 __all__ = ["Launcher", "LaunchConfig", "Output", "RestartPolicy", "Service", "Shutdown", "Topology"]
 
 KILL_ALL_GRACE_S = 0.5  # the step's members die at the fault point themselves; then the rest
+BEAT_EVERY_S = 1.0  # how often an agent under ``jaxft slurm`` rewrites its heartbeat file
+
+logger = logging.getLogger(__name__)
+
+
+class AgentBeat:
+    """This agent's heartbeat for ``jaxft slurm`` (the file ``$JAXFT_NODE_BEAT``; a no-op without
+    it): a counter rewritten every second while it supervises, then ``exit CODE`` as its last
+    word, so the watcher tells an agent that ended from a node that died."""
+
+    def __init__(self, path: str | None):
+        self.path, self.count, self.due = path, 0, 0.0
+
+    def tick(self, now: float) -> None:
+        if self.path and now >= self.due:
+            self.count += 1
+            self.due = now + BEAT_EVERY_S
+            self._write(str(self.count))
+
+    def last(self, exit_code: int) -> None:
+        if self.path:
+            self._write(f"{protocol.BEAT_EXIT} {exit_code}")
+
+    def _write(self, text: str) -> None:
+        try:
+            protocol.write_beat(self.path or "", text)
+        except OSError as e:  # the watcher will take this node for dead; say why here
+            logger.warning("cannot write the heartbeat file %s: %s", self.path, e)
 
 
 class Launcher:
@@ -62,13 +92,16 @@ class Launcher:
             config = dataclasses.replace(config, output=dataclasses.replace(config.output, run_dir=run_dir))
         self.config = config
         o = config.output
-        self.console = Console(o.console, o.run_dir, out, config.topology.total_processes, o.progress_every)
+        t = config.topology
+        tag = f"[jaxft node {t.node_rank}]" if t.nnodes > 1 else "[jaxft]"
+        self.console = Console(o.console, o.run_dir, out, t.total_processes, o.progress_every, tag)
         self.events = EventLog(o.run_dir, "launcher", 0)
         self.link = ServiceLink(config.topology, self.timeouts, self.console, self.events)
         self.pool = WorkerPool(config, self.timeouts, self.console, self.events, self.link)
         self.workers = self.pool.workers
         self._stop_signal: int | None = None
         self._setup_crashes: crashloop.SetupFailures | None = None  # set with the state dir (_run_workers)
+        self.beat = AgentBeat(os.environ.get(protocol.NODE_BEAT))
 
     def say(self, text: str) -> None:
         self.console.say(text)  # the console (jaxft.supervisor.console) decides what a person sees
@@ -78,6 +111,15 @@ class Launcher:
 
     # -- the run ------------------------------------------------------------------------
     def run(self) -> int:
+        self.beat.tick(time.time())
+        exit_code = 1
+        try:
+            exit_code = self._run()
+        finally:
+            self.beat.last(exit_code)
+        return exit_code
+
+    def _run(self) -> int:
         self.link.check_reachable()  # fail before starting anything
         t0 = time.time()
         # The service first (a busy or bad port fails here, before anything started), and
@@ -128,9 +170,13 @@ class Launcher:
                 name = signal.Signals(self._stop_signal).name
                 self.say(f"received {name}; stopping all workers")
                 self.events.log(Event.INTERRUPTED, signal=name, source="launcher")
+                if os.environ.get(protocol.SLURM_REQUEUE) and not self.link.reachable():
+                    self._requeue_if_asked()  # under jaxft slurm: the batch node died (and our srun with it)
                 return 128 + self._stop_signal
             now = time.time()
+            self.beat.tick(now)
             if not self.link.back(now):
+                self._requeue_if_asked()
                 return 1
             self._fire_timed(timed, now - t0)
             self._fire_kill_alls(kill_alls, now)
@@ -148,6 +194,17 @@ class Launcher:
             if all(w.done and w.restart_at is None for w in self.workers):
                 return 0 if all(w.returncode == 0 for w in self.workers) else 1
             time.sleep(0.05)
+
+    def _requeue_if_asked(self) -> None:
+        """Under ``jaxft slurm``: the service (on the batch node) is gone for good, so is the job's
+        batch script; requeue the job, which resumes from its newest checkpoint."""
+        job = os.environ.get(protocol.SLURM_REQUEUE)
+        if not job:
+            return
+        why = requeue(job)
+        self.console.warn(f"requeued SLURM job {job}: it resumes from its newest checkpoint" if why is None
+                          else f"could not requeue SLURM job {job}: {why}")
+        self.events.log(Event.JOB_REQUEUED, job=job, error=why, source="launcher")
 
     def _fire_timed(self, timed: list[faults.FaultRule], elapsed: float) -> None:
         """Fire the launcher-side faults (``after=``) that are due, for this node's processes."""

@@ -23,10 +23,12 @@ def recovery_times(events: list[dict]) -> tuple[list[float], list[float]]:
     """Fault incidents (start times) and, for each, seconds until progress resumed.
 
     An incident is a burst of faults (a kill-all fires once per process, within a
-    second); its recovery runs to the first commit of a step not committed before it.
+    second), or a node ``jaxft slurm`` found lost (from when it found it, so its heartbeat
+    timeout is not counted); its recovery runs to the first commit of a step not committed
+    before it.
     """
     first_commit = first_commits(events)
-    faults = [e for e in events if e["event"] == Event.FAULT]
+    faults = [e for e in events if e["event"] in (Event.FAULT, Event.NODE_LOST)]
     incidents: list[float] = []
     for f in sorted(faults, key=lambda e: e["time"]):
         if not incidents or f["time"] - incidents[-1] > 1.0:
@@ -78,6 +80,19 @@ def summarize(events: list[dict]) -> dict[str, Any]:
         "wall_s": round(end - start, 3) if start and end else None,
         "final_sha256": sorted({e["params_sha256"][:12] for e in events if e["event"] == Event.FINAL}),
         "goodput": goodput_lib.goodput(events),
+        **nodes(events),
+    }
+
+
+def nodes(events: list[dict]) -> dict[str, Any]:
+    """What ``jaxft slurm`` did: which node ran which rank, the nodes lost, the new agents, requeues."""
+    started = [e for e in events if e["event"] == Event.NODE_STARTED]
+    return {
+        "nodes": sorted({f"{e['node']} (rank {e['rank']})" for e in started if not e.get("generation")}),
+        "nodes_lost": [f"{e['node']} (rank {e['rank']}): {e.get('reason')}" for e in events
+                       if e["event"] == Event.NODE_LOST],
+        "new_agents": [f"rank {e['rank']} on {e['node']} ({e.get('why')})" for e in started if e.get("generation")],
+        "requeues": len([e for e in events if e["event"] == Event.JOB_REQUEUED and not e.get("error")]),
     }
 
 
@@ -96,6 +111,12 @@ def format_summary(s: dict[str, Any]) -> str:
         f"final params        {', '.join(s['final_sha256']) or '-'}"
         + ("  (all processes agree)" if len(s["final_sha256"]) == 1 else ""),
     ]
+    if s.get("nodes"):  # a jaxft slurm job
+        lines.append(f"nodes               {', '.join(s['nodes'])}")
+        lines += [f"node lost           {n}" for n in s["nodes_lost"]]
+        lines += [f"new agent           {n}" for n in s["new_agents"]]
+        if s["requeues"]:
+            lines.append(f"job requeued        {s['requeues']}x (resumed from the newest checkpoint)")
     return "\n".join(lines)
 
 

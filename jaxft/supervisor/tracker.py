@@ -9,6 +9,9 @@ from collections.abc import Iterable
 
 from jaxft.protocol import Event
 
+# How a process that left the step is told when this agent saw no exit of it (another node's).
+LEFT = "left the step; another node's process"
+
 
 def _fmt_time(seconds: float | None) -> str:
     if seconds is None or seconds != seconds or seconds < 0:
@@ -48,6 +51,7 @@ class Incident:
     restart_all: bool = _later(default=False)
     gave_up: dict[int, int] = _later(dict)  # process -> crashes alike (not restarted)
     resumed_at: float | None = _later(default=None)  # first commit of a new step after a cold restart
+    nodes: list[str] = _later(list)  # what jaxft slurm did: a node lost, a new agent started
 
     def story(self, ended: bool = False) -> str:
         """One line: who died, how the run got over it; ``ended``: the run finished while this
@@ -57,6 +61,7 @@ class Incident:
             causes[(self.death_steps.get(p, self.step), how)].append(p)
         parts = [f"{_procs(ps)} {'died' if 'code' not in how else 'failed'} at step {step} ({how})"
                  for (step, how), ps in sorted(causes.items())]
+        parts.extend(self.nodes)
         if self.retried:
             n, step, secs = self.retried
             parts.append(f"{n} member{'s' if n != 1 else ''} retried step {step} in {secs:.1f} s")
@@ -99,6 +104,7 @@ class RunTracker:
         self.stories: list[str] = []  # closed incidents, in order
         self._fault_steps: dict[int, int] = {}
         self._committed: set[int] = set()
+        self._members: set[int] = set()  # the latest step's
 
     # -- events ---------------------------------------------------------------------------
     def feed(self, e: dict) -> list[str]:
@@ -131,6 +137,14 @@ class RunTracker:
                                      f"process {e.get('donor')} in {float(e.get('seconds', 0)):.1f} s")
         elif kind == Event.RESTORED and self.open is not None and isinstance(p, int):
             self.open.restored[p] = (int(e.get("step", 0)), float(e.get("seconds", 0.0)))
+        elif kind == Event.NODE_LOST:
+            inc = self._incident(t)
+            for q in e.get("processes") or []:
+                self._lost(inc, int(q), f"node {e.get('node')} lost", self.step)
+            inc.nodes.append(f"node {e.get('node')} (rank {e.get('rank')}) lost: {e.get('reason')}")
+        elif kind == Event.NODE_STARTED and e.get("generation"):
+            where = {"spare": "a spare", "returned": "back after its loss"}.get(str(e.get("why")), str(e.get("why")))
+            self._incident(t).nodes.append(f"rank {e.get('rank')}: new agent on {e.get('node')} ({where})")
         elif kind == Event.COMMIT:
             return self._commit(e, t, p)
         elif kind == Event.FINAL and isinstance(p, int):
@@ -142,6 +156,15 @@ class RunTracker:
             self.open = Incident(start=t, step=self.step)
             self.incidents_seen += 1
         return self.open
+
+    def _lost(self, inc: Incident, p: int, how: str, step: int) -> None:
+        """``p`` is gone with no exit this agent saw (another node's process); back when it commits."""
+        if inc.deaths.get(p, LEFT) == LEFT:
+            inc.deaths[p] = how
+        inc.death_steps.setdefault(p, step)
+        inc.exited.add(p)
+        if p not in inc.back:
+            inc.pending.add(p)
 
     def _exit(self, e: dict, t: float, p: int) -> None:
         reason = e.get("reason")
@@ -156,7 +179,7 @@ class RunTracker:
             return
         inc = self._incident(t)
         how = (f"hung, {reason}" if reason and "hung" in reason else sig) if sig else f"exit code {code}"
-        if p not in inc.deaths or sig is None or (reason and "hung" in reason):
+        if p not in inc.deaths or inc.deaths[p] == LEFT or sig is None or (reason and "hung" in reason):
             inc.deaths[p] = how
         inc.death_steps.setdefault(p, self._fault_steps.get(p, self.step))
         inc.exited.add(p)
@@ -170,6 +193,13 @@ class RunTracker:
             self.step = max(self.step, step + 1)
             self.width = len(members)
             self.commit_times.append((t, step))
+            left = self._members - set(members) if step == self.step - 1 else set()
+            if left:  # processes gone from the step: exits this agent saw, or another node's
+                opened = self._incident(t)
+                for q in sorted(left):
+                    if q not in opened.deaths:
+                        self._lost(opened, q, LEFT, step)
+            self._members = set(members)
         inc = self.open
         if inc is None:
             return []

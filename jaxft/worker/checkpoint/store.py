@@ -323,7 +323,8 @@ class CheckpointStore:
                     logger.info("checkpoint %s rejected (%s); moved to %s", path, e.reason, moved)
                     self.events.log(Event.CHECKPOINT_REJECTED, path=path, step=step, reason=e.reason, moved_to=moved)
                     continue
-                self.events.log(Event.RESTORED, step=restored.step, path=path,
+                data = (restored.metadata.get("user") or {}).get("data") or {}  # ElasticCheckpointer's
+                self.events.log(Event.RESTORED, step=restored.step, path=path, data_position=data.get("position"),
                                 seconds=round(time.perf_counter() - t0, 4))
                 return restored
             if not relist:
