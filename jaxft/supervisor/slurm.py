@@ -51,6 +51,7 @@ from jaxft.protocol import Event
 from jaxft.supervisor.nodes import Action, End, Lost, NodePlan, PlanOptions, Start, Stop
 
 TICK_S = 0.25
+DOWN_EVERY_S = 2.0  # how often to ask slurmctld which nodes are down, while a rank waits for one
 CALL_TIMEOUT_S = 20.0  # one scontrol / squeue / scancel call
 COORDINATOR_START_S = 60.0
 SPARES = "JAXFT_SPARE_NODES"
@@ -147,6 +148,8 @@ class SlurmSupervisor:
         self.steps: dict[int, _Step] = {}  # rank -> its agent's srun
         self._stop_signal: int | None = None
         self._coordinator: subprocess.Popen | None = None
+        self._down: set[str] = set()  # the nodes SLURM reported down, asked at _down_at
+        self._down_at = 0.0
 
     def say(self, text: str) -> None:
         self.out.write(f"[jaxft slurm] {text}\n")
@@ -198,8 +201,9 @@ class SlurmSupervisor:
                     self._carry(self.plan.beat(rank, g, protocol.read_beat(step.beat_path), now))  # its last word
                     del self.steps[rank]
                     self._carry(self.plan.exited(rank, g, now))
-            down = down_nodes(self.alloc.nodes) if self.plan.waiting else set()
-            self._carry(self.plan.tick(now, down))
+            if self.plan.waiting and now - self._down_at >= DOWN_EVERY_S:  # ask slurmctld now and then
+                self._down, self._down_at = down_nodes(self.alloc.nodes), now
+            self._carry(self.plan.tick(now, self._down))
             if self.plan.ended is not None:
                 return self.plan.ended.code
             time.sleep(TICK_S)
