@@ -242,9 +242,9 @@ class SlurmSupervisor:
         srun = ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={s.node}", "--overlap", "--kill-on-bad-exit=0",
                 f"--job-name={name}", *agent]
         env = {**os.environ, protocol.NODE_BEAT: beat, protocol.SLURM_REQUEUE: self.alloc.job_id}
-        # srun writes the agent's output straight to the job's output (no pipe through this
-        # process): an srun that cannot write (this supervisor dead with the batch node)
-        # cancels its step with SIGKILL, and the agent could not requeue the job (measured)
+        # srun writes the agent's output straight to the job's output: none of it passes
+        # through this process. (A dead srun cancels its step whatever its output: see the
+        # module's docstring on the batch node.)
         proc = subprocess.Popen(srun, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         self.steps[s.rank] = _Step(s, proc, beat, name)
         where = {"first": "", "spare": " (a spare node)", "returned": " (a node lost before, back)"}[s.why.value]
@@ -320,7 +320,7 @@ class SlurmSupervisor:
 
 def config_from_args(args, environ: Mapping[str, str] = os.environ) -> SlurmConfig:
     """The CLI's arguments (``jaxft slurm``) as a :class:`SlurmConfig`."""
-    command = [a for a in args.command]
+    command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
