@@ -37,7 +37,6 @@ import dataclasses
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,6 +46,7 @@ from typing import TextIO
 from jaxft import protocol
 from jaxft.errors import LaunchError
 from jaxft.events import EventLog
+from jaxft.net import wait_reachable
 from jaxft.protocol import Event
 from jaxft.supervisor.nodes import Action, End, Lost, NodePlan, PlanOptions, Start, Stop
 
@@ -110,10 +110,10 @@ def requeue(job_id: str) -> str | None:
     The requeued job asks for its original node count again, also after ``--no-kill`` had
     removed a failed node from it (measured)."""
     try:
-        r = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=CALL_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as e:
+        _call(["scontrol", "requeue", job_id])
+    except LaunchError as e:
         return str(e)
-    return None if r.returncode == 0 else (r.stderr.strip() or f"exit {r.returncode}")
+    return None
 
 
 def down_nodes(nodes: Sequence[str]) -> set[str]:
@@ -293,18 +293,13 @@ class SlurmSupervisor:
              "--heartbeat-timeout", str(c.heartbeat_timeout)],
             stdin=subprocess.DEVNULL, start_new_session=True)
         deadline = time.monotonic() + COORDINATOR_START_S
-        while True:
+        while (why := wait_reachable(f"127.0.0.1:{c.port}", 1.0)) is not None:
             if self._coordinator.poll() is not None:
                 raise LaunchError(f"the coordination service exited ({self._coordinator.returncode}) at start; "
                                   f"is port {c.port} free on {self.alloc.nodes[0]}? (--port)")
-            try:
-                socket.create_connection(("127.0.0.1", c.port), timeout=1).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise LaunchError(f"the coordination service did not listen on port {c.port} "
-                                      f"within {COORDINATOR_START_S:g} s") from None
-                time.sleep(0.1)
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the coordination service did not listen on port {c.port} "
+                                  f"within {COORDINATOR_START_S:g} s ({why})")
 
     def _stop_coordinator(self) -> None:
         p = self._coordinator
