@@ -27,8 +27,11 @@ class Timeouts:
       initialization: connecting to the coordination service.
       barrier: the watchdog bound of a membership barrier (entering or leaving a step);
         a process that waits longer exits rather than hang.
-      step: the floor of the step deadline: a member stuck this long (and at least 10x
+      step: the floor of the step deadline: a member stuck this long (and at least 20x
         the recent median step) while others wait for it is hung (see jaxft.worker.hang).
+        The 10 s default removes a hung member of a 50 ms step within 200 steps' worth;
+        raise it where legitimate pauses between steps run longer (or wrap them in
+        ``group.busy()``).
       stuck: a member still inside a step this long (and at least 2x the recent median step)
         after the launcher recorded another member's death during it, while others wait for
         it, leaves and rejoins (gloo can leave a send pending until ``collective``; see jaxft.worker.hang).
@@ -48,7 +51,7 @@ class Timeouts:
     collective: float = 5.0
     initialization: float = 60.0
     barrier: float = 600.0
-    step: float = 60.0
+    step: float = 10.0
     stuck: float = 0.5
     setup: float = 600.0
     reset: float = 60.0

@@ -13,11 +13,15 @@ from helpers import MLP, PYTHON, by_event, check_agreed_run, events, launch
 FIGURES = Path(os.environ.get("JAXFT_TEST_FIGURES_HANG", "/tmp/jaxft-hang-figures.json"))
 
 
-@pytest.mark.parametrize("phase", [pytest.param("before-step", marks=pytest.mark.soak), "after-grad"])
-def test_hung_worker_is_stopped_and_the_others_go_on(tmp_path, phase):
+@pytest.mark.parametrize("phase,steps,step_sleep,flags", [
+    # the default deadline, no flag: a ~50 ms step, hung between steps (issue 40's acceptance run)
+    ("before-step", 400, "0.05", ("--restart-delay", "2")),
+    pytest.param("after-grad", 40, "0.3", ("--restart-delay", "6", "--timeout", "step=4"), marks=pytest.mark.soak),
+])
+def test_hung_worker_is_stopped_and_the_others_go_on(tmp_path, phase, steps, step_sleep, flags):
     # --restart-delay: the stuck process comes back only after the others went on without it.
-    r = launch(4, [PYTHON, MLP, "--steps", "40", "--step_sleep", "0.3", "--hidden", "16"],
-               "--restart", "on-failure", "--restart-delay", "6", "--heartbeat-timeout", "3", "--timeout", "step=4",
+    r = launch(4, [PYTHON, MLP, "--steps", str(steps), "--step_sleep", step_sleep, "--hidden", "16"],
+               "--restart", "on-failure", "--heartbeat-timeout", "3", *flags,
                "--fault", f"hang:process=2:step=8:phase={phase}", run_dir=tmp_path, timeout=240)
     assert r.returncode == 0, r.describe()
     ev = events(tmp_path)
@@ -25,13 +29,16 @@ def test_hung_worker_is_stopped_and_the_others_go_on(tmp_path, phase):
     assert by_event(ev, "hung", process=2, incarnation=0, source="launcher")
     assert hung["phase"] == ("between steps" if phase == "before-step" else "in a step"), hung
     assert hung["waiting"], hung  # it stopped itself because others waited for it
+    # max(Timeouts.step, 20 median steps, collective + heartbeat + 1 s): the 10 s default floor
+    # without a flag (20 x ~0.06 s is less), the 4 s flag otherwise (20 x ~0.3 s is more)
+    assert hung["deadline_s"] == 10.0 if "--timeout" not in flags else 4.0 < hung["deadline_s"] < 10.0, hung
     assert by_event(ev, "exit", process=2, incarnation=0, code=76), "the launcher saw the hung exit"
     # Its stack, dumped by faulthandler, is in its output, down to the frame that hung.
     assert "jaxft: process 2 is hung" in r.stdout and "in _hang" in r.stdout, r.stdout[-3000:]
     (fault,) = by_event(ev, "fault", process=2)
     later = sorted(e["time"] for e in by_event(ev, "commit") if e["time"] > fault["time"] and 2 not in e["members"])
     assert later, "the others committed no step without the hung process"
-    check_agreed_run(ev, 40, 4)
+    check_agreed_run(ev, steps, 4)
     assert by_event(ev, "rehydrated", process=2), "the restarted process rejoined"
     data = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
     data[phase] = {"hang_to_next_commit_s": round(later[0] - fault["time"], 2), "stuck_s": hung["stuck_s"],

@@ -62,7 +62,7 @@ from jaxft.worker import kv
 logger = logging.getLogger(__name__)
 
 WAIT_NOTICE_S = 1.0  # a barrier wait longer than this is published
-STEP_FACTOR = 10.0
+STEP_FACTOR = 20.0  # the deadline's multiple of the recent median step
 DOOMED_STEP_FACTOR = 2.0  # a doomed step may last this many median steps before its member leaves
 DOOMED_POLL_S = 0.02
 WAITING_PREFIX = "jaxft/waiting/"
