@@ -55,6 +55,18 @@ logger = logging.getLogger(__name__)
 __all__ = ["ElasticGroup", "Members", "StepFailed"]
 
 
+def _leave_inside_step(cm: contextlib.AbstractContextManager, e: BaseException) -> None:
+    """Make the exit query of the ``live_devices`` step ``cm`` that ``e`` (SystemExit,
+    KeyboardInterrupt) leaves, now, while the client is up (the caller bounds it).
+
+    Left suspended, the generator would make it when collected at exit, where a peer that left
+    meanwhile turns it into an ignored ``ProcessFailureError`` traceback in the output."""
+    try:
+        cm.__exit__(type(e), e, e.__traceback__)
+    except Exception as left:  # noqa: BLE001 - leaving anyway: who else left is moot
+        logger.debug("leaving inside a step: %s", left)
+
+
 class ElasticGroup:
     """Runs atomic steps over whichever processes are alive.
 
@@ -126,8 +138,7 @@ class ElasticGroup:
         self._joining.on_cold_start(hook)
 
     def on_exit_query(self, hook: Callable[[], None]) -> None:
-        """Register ``hook()``, run right before each step's exit query (the loop's ``in-commit``
-        fault point)."""
+        """Register ``hook()``, run right before each step's exit query (the ``in-commit`` fault point)."""
         self._before_exit_query = hook
 
     def members_listed(self) -> bool:
@@ -141,8 +152,7 @@ class ElasticGroup:
         self.generation = generation
 
     def busy(self):
-        """Context manager: legitimately long work between steps, exempt from the step deadline
-        (e.g. an evaluation that only some processes run while the others wait)."""
+        """Context manager: long work between steps (an evaluation some run), exempt from the step deadline."""
         return self.hang.busy()
 
     def mesh(self, devices: Sequence[jax.Device]) -> Mesh:
@@ -185,11 +195,15 @@ class ElasticGroup:
             try:
                 members = self._enter(devices, _compat.live_device_map())
                 yield members
-            except Exception as e:  # (SystemExit, KeyboardInterrupt: leaving, not a failed step)
+            except Exception as e:
                 self.data_plane.break_if_collective_failed(e)
                 with watch("leaving a failed step", publish=True):
                     if not cm.__exit__(type(e), e, e.__traceback__):
                         raise
+            except BaseException as e:  # SystemExit, KeyboardInterrupt: leaving, not a failed step
+                with watch("leaving the run inside a step"):
+                    _leave_inside_step(cm, e)
+                raise
             else:
                 with watch("leaving a step"):
                     cm.__exit__(None, None, None)
