@@ -1,7 +1,8 @@
 """Issue 13's acceptance schedule: mlp, 4 processes, 450 steps, --step_sleep 0.1, process 1
 SIGKILLed at 12/24/36/48 s and restarted at once, heartbeat 3 s; fault-free vs jaxft (ready
 admission) side by side. Prints goodput, time lost per kill, min width, max stall and the
-leaf-by-leaf relative difference of the final params from the fault-free run's.
+leaf-by-leaf relative difference of the final params from the fault-free run's, and each
+restart's way back by phase (``restarts``). ``--victims 1,2,3,0``: issue 40's schedule.
 
 The fault-free run is repeated after the faulty one (``--fault-free-runs 2``, the default) and
 the goodput is taken against the mean of the two: on this 2-core machine the same fault-free
@@ -9,6 +10,7 @@ run took anywhere from 55 to 75 s minutes apart, a drift of several seconds per 
 
     .venv/bin/python scripts/recovery_schedule.py [--admission ready|connect] [--steps 450]
         [--reduction allreduce64|exact] [--precompile 8] [--pipeline] [--commit-every N] [--fault-free-runs 1]
+        [--victims 1,2,3,0]
 """
 
 import argparse
@@ -47,7 +49,46 @@ def run(base: str, name: str, steps: int, admission: str, faults: list[str], red
     median = statistics.median(gaps)
     fig["stall_excess_s"] = round(sum(max(0.0, g - median) for g in gaps), 3)
     fig["params"] = final_params(run_dir)
+    fig["restarts"] = restart_phases(evts)
     return fig
+
+
+def _first(evts: list[dict], event: str, after: float, **match) -> dict | None:
+    """The first ``event`` at or after ``after`` whose fields equal ``match`` (``member=p``: one
+    whose ``members`` hold p; ``joiner=p``: whose ``joiners`` do)."""
+    for e in evts:
+        if e["event"] != event or e["time"] < after:
+            continue
+        if "member" in match and match["member"] not in e.get("members", ()):
+            continue
+        if "joiner" in match and match["joiner"] not in e.get("joiners", ()):
+            continue
+        if all(e.get(k) == v for k, v in match.items() if k not in ("member", "joiner")):
+            return e
+    return None
+
+
+def restart_phases(evts: list[dict]) -> list[dict]:
+    """Each restart's way back, in seconds after its death (the launcher's ``exit``): started
+    (``launch``), connected (``initialized``, of which ``forget_wait_s`` waited for the service
+    to forget the dead life), admitted by the members (``admit``), rehydrated, and back (the
+    first commit with it)."""
+    out = []
+    for launch in (e for e in evts if e["event"] == "launch" and e.get("incarnation", 0) > 0):
+        p, inc, t = launch["process"], launch["incarnation"], launch["time"]
+        death = next((e for e in reversed(evts) if e["event"] == "exit" and e.get("process") == p
+                      and e.get("incarnation") == inc - 1), None)
+        if death is None:
+            continue
+        init = _first(evts, "initialized", t, process=p, incarnation=inc)
+        stages = {"started_s": launch, "connected_s": init,
+                  "admitted_s": _first(evts, "admit", t, joiner=p),
+                  "rehydrated_s": _first(evts, "rehydrated", t, process=p, incarnation=inc),
+                  "back_s": _first(evts, "commit", t, member=p)}
+        row = {"process": p, "incarnation": inc, "forget_wait_s": init and init.get("forget_wait_s")}
+        row.update({k: None if e is None else round(e["time"] - death["time"], 2) for k, e in stages.items()})
+        out.append(row)
+    return out
 
 
 def main() -> None:
@@ -60,9 +101,14 @@ def main() -> None:
                     help="2: the fault-free run before and after the faulty one, goodput against their mean")
     ap.add_argument("--pipeline", action="store_true", help="mlp --pipeline (jaxft.ElasticLoop) in every run")
     ap.add_argument("--commit-every", type=int, default=1, help="mlp --commit_every (jaxft.ElasticLoop) in every run")
+    ap.add_argument("--victims", default="1,1,1,1",
+                    help="the processes killed at 12/24/36/48 s (issue 40's schedule: 1,2,3,0)")
     args = ap.parse_args()
     base = tempfile.mkdtemp(prefix="jaxft-issue13-")
-    kills = [f"kill:process=1:after={t}s" for t in (12, 24, 36, 48)]
+    victims = [int(v) for v in args.victims.split(",")]
+    if len(victims) != 4 or not all(0 <= v < 4 for v in victims):
+        ap.error(f"--victims takes four process ids in [0, 4), got {args.victims!r}")
+    kills = [f"kill:process={v}:after={t}s" for v, t in zip(victims, (12, 24, 36, 48))]
     opts = (args.reduction, args.precompile, args.pipeline, args.commit_every)
     ff = run(base, "fault_free", args.steps, args.admission, [], *opts)
     ft = run(base, "jaxft", args.steps, args.admission, kills, *opts)
@@ -72,7 +118,7 @@ def main() -> None:
     ref_s = sum(r["train_s"] for r in refs) / len(refs)
     diff = params_diff(ft["params"], ff["params"])
     same_refs = all(params_diff(r["params"], ff["params"])["bitwise_equal"] for r in refs)
-    out = {"admission": args.admission, "reduction": args.reduction, "precompile": args.precompile,
+    out = {"victims": victims, "admission": args.admission, "reduction": args.reduction, "precompile": args.precompile,
            "pipeline": args.pipeline, "commit_every": args.commit_every,
            "goodput": round(ref_s / ft["train_s"], 3),
            "lost_per_kill_s": round((ft["train_s"] - ref_s) / len(kills), 3),
