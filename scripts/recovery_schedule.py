@@ -76,8 +76,7 @@ def restart_phases(evts: list[dict]) -> list[dict]:
     out = []
     for launch in (e for e in evts if e["event"] == "launch" and e.get("incarnation", 0) > 0):
         p, inc, t = launch["process"], launch["incarnation"], launch["time"]
-        death = next((e for e in reversed(evts) if e["event"] == "exit" and e.get("process") == p
-                      and e.get("incarnation") == inc - 1), None)
+        death = _first(evts, "exit", 0.0, process=p, incarnation=inc - 1)
         if death is None:
             continue
         init = _first(evts, "initialized", t, process=p, incarnation=inc)
