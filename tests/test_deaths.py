@@ -314,3 +314,18 @@ def test_a_query_thread_is_reused_once_its_query_returned_and_never_while_one_ha
         deaths._ask(boom, [0]).result(timeout=5)
     assert deaths._ask(lambda pids: sorted(pids), [2, 1]).result(timeout=5) == [1, 2]
     assert len(deaths._QueryThread._idle) <= deaths._QueryThread.IDLE_MAX
+
+
+def test_a_query_that_raises_timeouterror_is_not_taken_for_a_poll_that_timed_out(tmp_path):
+    # concurrent.futures.TimeoutError is the built-in TimeoutError: a query raising it used to be
+    # re-raised by future.result() in the poll loop for ever, its traceback growing (the test
+    # suite's own process grew ~50 MB/s while a service-model test's stuck member spun so)
+    w = deaths.DeathWatch(str(tmp_path), poll_s=0.002)
+    w.saw({0: 1, 1: 1})
+
+    def query(pids):
+        time.sleep(0.05)
+        raise TimeoutError("the service never answered")
+
+    with pytest.raises(TimeoutError, match="never answered"):
+        w.live_nodes(query, [0, 1])

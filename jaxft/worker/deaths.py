@@ -152,6 +152,8 @@ class DeathWatch:
                 try:
                     answer = future.result(timeout=self.poll_s * 4)
                 except concurrent.futures.TimeoutError:
+                    if future.done():  # the query itself raised a TimeoutError (the same class):
+                        raise  # else this loop would re-raise it for ever, its traceback growing
                     again = liveness.on_deaths(pids, self.dead(pids))
                     if again is not None and not future.done():  # (an answer that came meanwhile is taken)
                         break
