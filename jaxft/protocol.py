@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,9 @@ DIED_AT = "JAXFT_PREVIOUS_DIED_AT"  # wall-clock time the launcher saw the previ
 # A restart: "1" when a member may still run (a local worker whose life began before the death,
 # or other nodes), "0" when every local worker is down or a restart of the same failure
 PEERS_RUNNING = "JAXFT_PEERS_MAY_RUN"
+# A restart: the local processes ("2,3") whose mark that they dropped its previous life lets it
+# connect before the heartbeat timeout (see restart_may_connect); absent: wait the timeout out
+DROP_WITNESSES = "JAXFT_DROP_WITNESSES"
 RUN_DIR = "JAXFT_RUN_DIR"
 FAULTS = "JAXFT_FAULTS"  # ";"-separated fault specs (see jaxft.faults)
 FAULT_STATE_DIR = "JAXFT_FAULT_STATE_DIR"  # where "rule fired" markers live
@@ -72,6 +75,10 @@ EXIT_CONFIG_ERROR = 78  # a configuration error: restarting repeats it, so the l
 COMMITTED = "committed"  # a life's mark: it committed a step (the launcher's crash-loop guard)
 CONNECTED = "connected"  # a life's mark: it connected to the service (the launcher may retire it)
 DEATHS = "deaths"  # the launcher's death records: <process>-<incarnation> holds the time of death
+DROPPED = "dropped"  # a member's marks: <process>.<member> holds when its view last dropped a life of <process>
+# A restart connects at least this long after its previous life's death, so a death record older
+# than a joiner's admission minus this is of an earlier life (jaxft.worker.joining)
+RESTART_GAP_S = 1.0
 
 
 def life_path(state_dir: str, kind: str, process_id: int | str, incarnation: int | str) -> str:
@@ -102,17 +109,56 @@ def life_marked(state_dir: str, kind: str, process_id: int, incarnation: int) ->
 def record_death(state_dir: str, process_id: int, incarnation: int) -> None:
     """Launcher side: record that ``process_id``'s launcher incarnation ``incarnation`` died now
     (written whole: a reader never sees an empty record)."""
-    d = os.path.join(state_dir, DEATHS)
-    os.makedirs(d, exist_ok=True)
-    tmp = os.path.join(d, f".{process_id}-{incarnation}")
-    with open(tmp, "w") as f:
-        f.write(f"{time.time():.6f}")
-    os.replace(tmp, life_path(state_dir, DEATHS, process_id, incarnation))
+    _write_time(os.path.join(state_dir, DEATHS), f"{process_id}-{incarnation}")
 
 
 def death_recorded(state_dir: str, process_id: int, incarnation: int) -> bool:
     """Whether the launcher recorded the death of ``process_id``'s launcher incarnation ``incarnation``."""
     return os.path.exists(life_path(state_dir, DEATHS, process_id, incarnation))
+
+
+def _write_time(d: str, name: str) -> None:
+    """``<d>/<name>`` := the time now, written whole (a reader never sees an empty file)."""
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, f".{name}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(f"{time.time():.6f}")
+    os.replace(tmp, os.path.join(d, name))
+
+
+def _read_time(path: str) -> float | None:
+    try:
+        with open(path) as f:
+            return float(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def mark_dropped(process_id: int, environ: Mapping[str, str] = os.environ) -> None:
+    """Worker side: this member's view of the run no longer holds the life ``process_id`` had
+    (a liveness answer without it is final), so no query this member makes from now on can
+    count that process's next life before it is admitted; a no-op outside ``jaxft launch``."""
+    state_dir, me = environ.get(FAULT_STATE_DIR), environ.get(PROCESS_ID)
+    if not state_dir or me is None:
+        return
+    try:
+        _write_time(os.path.join(state_dir, DROPPED), f"{int(process_id)}.{me}")
+    except OSError as e:
+        logger.warning("could not mark process %s dropped in %s: %s", process_id, state_dir, e)
+
+
+def restart_may_connect(state_dir: str, process_id: int, died_at: float, witnesses: Collection[int]) -> bool:
+    """A restart's early connect: whether each of ``witnesses`` (the local processes alive when
+    its previous life died at ``died_at``) has dropped that life since (:func:`mark_dropped`) or
+    died itself since. Then no member is left in a liveness query that counts ``process_id``
+    (the launcher retired the dead life at once), and the new life is never pulled into one
+    before it is ready: connecting now is as safe as after the heartbeat timeout."""
+    deaths = recorded_deaths(state_dir)
+    for w in witnesses:
+        marked = _read_time(os.path.join(state_dir, DROPPED, f"{int(process_id)}.{int(w)}"))
+        if (marked is None or marked < died_at) and deaths.get(int(w), 0.0) < died_at:
+            return False
+    return True
 
 
 def recorded_deaths(state_dir: str) -> dict[int, float]:
@@ -126,13 +172,9 @@ def recorded_deaths(state_dir: str) -> dict[int, float]:
     for name in names:
         if name.startswith("."):
             continue
-        try:
-            p = int(name.split("-", 1)[0])
-            with open(os.path.join(d, name)) as f:
-                t = float(f.read())
-        except (OSError, ValueError):
-            continue
-        out[p] = max(out.get(p, 0.0), t)
+        p, t = name.split("-", 1)[0], _read_time(os.path.join(d, name))
+        if p.isdigit() and t is not None:
+            out[int(p)] = max(out.get(int(p), 0.0), t)
     return out
 
 

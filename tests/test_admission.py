@@ -6,6 +6,8 @@ import pytest
 from helpers import MLP, commits_by_step, finals, free_port, run_python, train
 from helpers import by_event as of
 
+from jaxft.protocol import RESTART_GAP_S
+
 STEPS = 120
 EXACT = ("--reduction", "exact", "--exact_chunks", "8")  # the result does not depend on the width
 
@@ -128,6 +130,12 @@ def test_the_float64_all_reduce_ends_with_the_1_process_bits_after_a_kill_and_a_
     assert by_step[15][0]["members"] == [0, 2] and by_step[STEPS - 1][0]["members"] == [0, 1, 2], why
     assert of(events, "rehydrated"), why
     assert_bitwise(load(out / "final-p1.npz"), load(ref / "final" / "final-p0.npz"))
+    # One node, every member marked the dead life dropped: the restart connected without
+    # waiting out the heartbeat (3 s + 1.5 s), but not before protocol.RESTART_GAP_S.
+    [death] = of(events, "fault", process=1, incarnation=0)  # (logged as it kills itself)
+    [connected] = of(events, "initialized", process=1, incarnation=1)
+    assert RESTART_GAP_S <= connected["time"] - death["time"] < 3.0, (death, connected)
+    assert connected["forget_wait_s"] < 3.0, connected
 
 
 def test_a_kill_during_the_first_step_then_rejoin(reference, tmp_path):

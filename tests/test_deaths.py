@@ -316,6 +316,30 @@ def test_a_query_thread_is_reused_once_its_query_returned_and_never_while_one_ha
     assert len(deaths._QueryThread._idle) <= deaths._QueryThread.IDLE_MAX
 
 
+def test_a_restart_may_connect_once_every_witness_dropped_its_dead_life(tmp_path, monkeypatch):
+    state = str(tmp_path)
+    monkeypatch.setenv(protocol.FAULT_STATE_DIR, state)
+    w = deaths.DeathWatch(state)
+    w.saw({0: 1, 1: 1, 2: 1})
+    monkeypatch.setenv(protocol.PROCESS_ID, "0")
+    protocol.mark_dropped(2)  # a mark of an earlier life of 2: older than the death below
+    time.sleep(0.01)
+    died_at = time.time()
+    protocol.record_death(state, 2, 0)
+    assert not protocol.restart_may_connect(state, 2, died_at, [0, 1])
+    # member 0's exit answer no longer names 2's life: live_nodes marks it
+    assert w.live_nodes(lambda pids: {p: 1 for p in pids if p != 2}, [0, 1, 2], lives={0: 1, 1: 1, 2: 1}) \
+        == {0: 1, 1: 1}
+    assert not protocol.restart_may_connect(state, 2, died_at, [0, 1]), "member 1 may still be in a query with 2"
+    # an answer that names every life marks nothing
+    monkeypatch.setenv(protocol.PROCESS_ID, "1")
+    w.live_nodes(lambda pids: {p: 1 for p in pids}, [0, 1], lives={0: 1, 1: 1})
+    assert not protocol.restart_may_connect(state, 2, died_at, [0, 1])
+    protocol.record_death(state, 1, 0)  # a witness that died since counts as one that dropped it
+    assert protocol.restart_may_connect(state, 2, died_at, [0, 1])
+    assert not protocol.restart_may_connect(state, 2, time.time() + 1, [0, 1]), "only marks after the death count"
+
+
 def test_a_query_that_raises_timeouterror_is_not_taken_for_a_poll_that_timed_out(tmp_path):
     # concurrent.futures.TimeoutError is the built-in TimeoutError: a query raising it used to be
     # re-raised by future.result() in the poll loop for ever, its traceback growing (the test

@@ -2,10 +2,13 @@
 
 import json
 import signal
+import time
 
 import pytest
 from helpers import clean_env, free_port, run_python
 
+from jaxft import protocol
+from jaxft.worker import runtime
 from jaxft.worker.runtime import (
     CPU_COLLECTIVE_TIMEOUT_FLAG,
     GPU_ENV,
@@ -272,3 +275,28 @@ coord.shutdown()
     assert out == {"pid": 0, "n": 1, "inc": 3, "hb": 4, "ct": 6, "ext": True, "run_dir": str(tmp_path),
                    "flags": out["flags"]}
     assert "--xla_cpu_collective_timeout_seconds=6" in out["flags"].split()
+
+
+def test_a_restart_connects_once_its_witnesses_dropped_its_previous_life(tmp_path, monkeypatch):
+    """jaxft launch names the members alive at the death (one node): the restart waits for
+    their marks, never less than RESTART_GAP_S after the death; without witnesses it waits
+    out the heartbeat timeout + 1.5 s."""
+    state = str(tmp_path)
+    died_at = time.time()
+    env = {protocol.DIED_AT: f"{died_at:.3f}", protocol.FAULT_STATE_DIR: state, protocol.DROP_WITNESSES: "0,2"}
+    monkeypatch.setenv(protocol.FAULT_STATE_DIR, state)
+    for member in ("0", "2"):
+        monkeypatch.setenv(protocol.PROCESS_ID, member)
+        protocol.mark_dropped(1)
+    runtime._wait_until_forgotten(env, 1.0, 1)
+    waited = time.time() - died_at
+    assert protocol.RESTART_GAP_S - 0.01 <= waited < 2.5, waited
+    env[protocol.DIED_AT] = f"{time.time():.3f}"  # a new death: the marks above are older
+    start = time.time()
+    runtime._wait_until_forgotten(env, 1.0, 1)
+    assert time.time() - start >= 2.4, "marks older than the death do not count"
+    env.pop(protocol.DROP_WITNESSES)
+    env[protocol.DIED_AT] = f"{time.time():.3f}"
+    start = time.time()
+    runtime._wait_until_forgotten(env, 1.0, 1)
+    assert time.time() - start >= 2.4, "no witnesses: the heartbeat timeout + 1.5 s"

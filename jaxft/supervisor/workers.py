@@ -58,6 +58,7 @@ class Worker:
     stopped_since: float | None = _later()
     restart_at: float | None = _later()  # a restart is pending until this time
     died_at: float | None = _later()  # wall-clock time its last incarnation exited
+    retired: bool = _later(False)  # its last dead life was retired in the service (WorkerPool._retire)
     launched_at: float = _later(0.0)  # wall-clock time its current incarnation started
     reader: threading.Thread | None = _later()
 
@@ -128,8 +129,10 @@ class WorkerPool:
         if worker.died_at is not None:
             env[protocol.DIED_AT] = f"{worker.died_at:.3f}"
             env[protocol.PEERS_RUNNING] = "1" if t.nnodes > 1 or self.member_may_run(worker) else "0"
+            env[protocol.DROP_WITNESSES] = ",".join(map(str, self.drop_witnesses(worker)))
         else:
             env.pop(protocol.PEERS_RUNNING, None)
+            env.pop(protocol.DROP_WITNESSES, None)
         if c.output.run_dir:
             env[protocol.RUN_DIR] = os.path.abspath(c.output.run_dir)
         if t.gpus is not None:
@@ -152,6 +155,19 @@ class WorkerPool:
         wrong guess either way costs time, not correctness."""
         died = worker.died_at or 0.0
         return any(o is not worker and o.running and o.launched_at < died - SAME_FAILURE_S for o in self.workers)
+
+    def drop_witnesses(self, worker: Worker) -> list[int]:
+        """The processes whose marks let ``worker``'s restart connect early
+        (:func:`jaxft.protocol.restart_may_connect`): every other process of the run, if all are
+        local and ran since before its death, and its dead life was retired; else none (the
+        restart waits out the heartbeat timeout)."""
+        died = worker.died_at or 0.0
+        others = [o for o in self.workers if o is not worker]
+        if self.config.topology.nnodes > 1 or not worker.retired:
+            return []
+        if not all(o.running and o.launched_at < died for o in others):
+            return []
+        return [o.process_id for o in others]
 
     def start(self, worker: Worker) -> None:
         """Start ``worker``'s next life, its output pumped to the console."""
@@ -212,12 +228,14 @@ class WorkerPool:
         coordination service (:mod:`jaxft.supervisor.retire`), so that no liveness query can answer with
         its dead life any more, whoever asks it late. Only a life that connected; bounded: a
         helper that does not answer within ``RETIRE_BOUND_S`` leaves the death to the heartbeat."""
+        worker.retired = False
         if self._retirer is None or self.link.lost or self.state_dir is None:
             return
         if not protocol.life_marked(self.state_dir, protocol.CONNECTED, worker.process_id, worker.incarnation):
             return
         said = self._retirer.retire(worker.process_id, RETIRE_BOUND_S)
-        if not said.startswith("done"):
+        worker.retired = said.startswith("done")
+        if not worker.retired:
             self.events.log(Event.RETIRE_FAILED, process=worker.process_id, incarnation=worker.incarnation,
                             why=said[:200], source="launcher")
 

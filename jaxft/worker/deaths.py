@@ -129,6 +129,10 @@ class DeathWatch:
         came with the joiners in it, after ``since`` (when they were admitted: a late member
         may have completed the old query long before, naming another life).
 
+        A final answer without a life of ``lives`` is marked (:func:`jaxft.protocol.mark_dropped`):
+        once every member marked it, the restart of that process connects (see
+        :func:`jaxft.protocol.restart_may_connect`).
+
         ``give_up()`` (checked while waiting) abandons the query and raises :class:`GaveUp`.
         """
         pids = sorted(pids)
@@ -137,6 +141,9 @@ class DeathWatch:
             asked = answer.pop(_ASKED)
             move = liveness.on_answer(asked, answer, lives)
             if isinstance(move, liveness.Done):
+                for p in (lives or {}):  # a restart of p may connect once every member dropped it
+                    if move.answer.get(p) != lives[p]:  # type: ignore[index]
+                        protocol.mark_dropped(p)
                 return dict(move.answer)
             pids = list(move.pids)  # confirm the survivors (see above)
 

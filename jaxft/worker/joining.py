@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from jaxft import priority
+from jaxft import priority, protocol
 from jaxft.core import commit as commit_core
 from jaxft.errors import BarrierTimeout
 from jaxft.timeouts import Timeouts
@@ -94,9 +94,9 @@ class Joining:
             if isinstance(plan, commit_core.FirstStep):
                 pids, alive_at, cold = self._join()
                 priority.restore()  # a restart set up niced (see jaxft.priority): it joins now
-                # lives that died before alive_at - 1 s are earlier lives (a restart connects only
-                # heartbeat + 1.5 s after a death): a record counts only against a later one
-                deaths.assume_alive_since(pids, alive_at - 1.0)
+                # lives that died before alive_at - RESTART_GAP_S are earlier lives (a restart
+                # connects no sooner after a death): a record counts only against a later one
+                deaths.assume_alive_since(pids, alive_at - protocol.RESTART_GAP_S)
                 if cold:
                     if self._run_finished():  # the members finished while this process set up: a
                         # cold start would train the run again from its checkpoint, alone
@@ -212,9 +212,9 @@ class Joining:
             self.step.admit(joiners)
             self._admitted_at = time.monotonic()
             if deaths is not None:
-                # a joiner is a new life (it connected >= heartbeat + 1.5 s after any earlier
-                # death of its process id): earlier death records must not count against it
-                deaths.assume_alive_since(joiners, time.time() - 1.0)
+                # a joiner is a new life (it connected >= RESTART_GAP_S after any earlier death
+                # of its process id): earlier death records must not count against it
+                deaths.assume_alive_since(joiners, time.time() - protocol.RESTART_GAP_S)
             assert self._watcher is not None
             self._watcher.admit(joiners, sorted(set(process_ids) | set(joiners)), incarnations)
         return joiners

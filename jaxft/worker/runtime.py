@@ -10,7 +10,7 @@ import math
 import os
 import shlex
 import time
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 from jaxft import _compat, protocol
@@ -235,7 +235,7 @@ def initialize(coordinator_address: str | None = None,
         _compat.use_gloo_address(interface=gloo_interface, hostname=gloo_hostname)
     waited = 0.0
     if options.wait_until_forgotten and protocol.peers_may_run(environ) is not False:  # False: no member to hold up
-        waited = _wait_until_forgotten(environ.get(protocol.DIED_AT), heartbeat_timeout, process_id)
+        waited = _wait_until_forgotten(environ, heartbeat_timeout, process_id)
     guard = _compat.no_service_start() if external_coordinator else contextlib.nullcontext()
     try:
         with guard:
@@ -286,28 +286,39 @@ def _configure_compilation_cache(setting: str | bool | None, run_dir: str | None
     _compat.cache_local_executables()  # else only process 0 ever finds one of its own programs
 
 
-def _wait_until_forgotten(died_at: str | None, heartbeat_timeout: float, process_id: int) -> float:
-    """A restarted process connects only once the service has declared its previous life
-    dead; returns the seconds it waited.
+def _wait_until_forgotten(environ: Mapping[str, str], heartbeat_timeout: float, process_id: int) -> float:
+    """A restarted process connects only once no member can count it in a liveness query
+    before it is ready; returns the seconds it waited.
 
-    A new incarnation that registers earlier replaces the dead one while the survivors still
-    count it, so their ``live_devices`` barrier waits for it (through all of its set-up)
-    instead of going on without it. The service notices a death within the heartbeat
-    timeout and checks once a second; ``jaxft launch`` hands down when the previous life
-    ended (and says when no member runs: then there is nobody to hold up, no wait).
+    A new incarnation that registers while a member is still in a query over a set with its
+    process (a member late to the step its previous life died in) is counted in that query,
+    so the member waits for it through all of its set-up, and the others wait for the member.
+    ``jaxft launch`` retires the dead life in the service at once and says when it died
+    (:data:`jaxft.protocol.DIED_AT`); on one node it also names the members that were alive
+    then (:data:`jaxft.protocol.DROP_WITNESSES`), and the restart connects as soon as each
+    has dropped the dead life from its view (:func:`jaxft.protocol.restart_may_connect`), but
+    not before ``protocol.RESTART_GAP_S``. Without witnesses (other nodes, a member still
+    setting up, a retirement that failed) it waits until the service has declared the
+    previous life dead: the heartbeat timeout, checked once a second, + 1.5 s.
     """
-    if not died_at:
+    died_at = cluster.parse_env(environ.get(protocol.DIED_AT), protocol.DIED_AT, float)
+    if died_at is None:
         return 0.0
-    try:
-        wait = float(died_at) + heartbeat_timeout + 1.5 - time.time()
-    except ValueError:
+    start = time.time()
+    deadline = min(died_at + heartbeat_timeout + 1.5, start + heartbeat_timeout + 1.5)
+    earliest = died_at + protocol.RESTART_GAP_S
+    witnesses = cluster.parse_env(environ.get(protocol.DROP_WITNESSES), protocol.DROP_WITNESSES, cluster.parse_ids)
+    state_dir = environ.get(protocol.FAULT_STATE_DIR)
+    if deadline <= start:
         return 0.0
-    if wait <= 0:
-        return 0.0
-    wait = min(wait, heartbeat_timeout + 1.5)
-    logger.info("process %d: waiting %.1f s for the service to forget its previous incarnation", process_id, wait)
-    time.sleep(wait)
-    return wait
+    logger.info("process %d: waiting up to %.1f s for the members to drop its previous incarnation",
+                process_id, deadline - start)
+    while time.time() < deadline:
+        if (witnesses and state_dir and time.time() >= earliest
+                and protocol.restart_may_connect(state_dir, process_id, died_at, witnesses)):
+            break
+        time.sleep(0.01 if witnesses else max(0.0, deadline - time.time()))
+    return time.time() - start
 
 
 def _wait_reachable(address: str, timeout: float, process_id: int) -> None:
