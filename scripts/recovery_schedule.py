@@ -27,10 +27,10 @@ from jaxft.supervisor.report import first_commits
 
 
 def run(base: str, name: str, steps: int, admission: str, faults: list[str], reduction: str,
-        precompile: int = 0, pipeline: bool = False, commit_every: int = 1) -> dict:
+        precompile: int = 0, pipeline: bool = False, commit_every: int = 1, early_connect: bool = False) -> dict:
     run_dir = os.path.join(base, name)
     cmd = [sys.executable, "-m", "jaxft.cli", "launch", "-n", "4", "--run-dir", run_dir, "--restart", "on-failure",
-           "--heartbeat-timeout", "3", "--max-restarts", "50"]
+           "--heartbeat-timeout", "3", "--max-restarts", "50", *(["--early-connect"] if early_connect else [])]
     for f in faults:
         cmd += ["--fault", f]
     cmd += ["--", sys.executable, "-m", "jaxft.bench.mlp", "--steps", str(steps), "--step_sleep", "0.1",
@@ -100,6 +100,7 @@ def main() -> None:
                     help="2: the fault-free run before and after the faulty one, goodput against their mean")
     ap.add_argument("--pipeline", action="store_true", help="mlp --pipeline (jaxft.ElasticLoop) in every run")
     ap.add_argument("--commit-every", type=int, default=1, help="mlp --commit_every (jaxft.ElasticLoop) in every run")
+    ap.add_argument("--early-connect", action="store_true", help="jaxft launch --early-connect in every run")
     ap.add_argument("--victims", default="1,1,1,1",
                     help="the processes killed at 12/24/36/48 s (issue 40's schedule: 1,2,3,0)")
     args = ap.parse_args()
@@ -108,7 +109,7 @@ def main() -> None:
     if len(victims) != 4 or not all(0 <= v < 4 for v in victims):
         ap.error(f"--victims takes four process ids in [0, 4), got {args.victims!r}")
     kills = [f"kill:process={v}:after={t}s" for v, t in zip(victims, (12, 24, 36, 48))]
-    opts = (args.reduction, args.precompile, args.pipeline, args.commit_every)
+    opts = (args.reduction, args.precompile, args.pipeline, args.commit_every, args.early_connect)
     ff = run(base, "fault_free", args.steps, args.admission, [], *opts)
     ft = run(base, "jaxft", args.steps, args.admission, kills, *opts)
     refs = [ff]
@@ -118,7 +119,7 @@ def main() -> None:
     diff = params_diff(ft["params"], ff["params"])
     same_refs = all(params_diff(r["params"], ff["params"])["bitwise_equal"] for r in refs)
     out = {"victims": victims, "admission": args.admission, "reduction": args.reduction, "precompile": args.precompile,
-           "pipeline": args.pipeline, "commit_every": args.commit_every,
+           "pipeline": args.pipeline, "commit_every": args.commit_every, "early_connect": args.early_connect,
            "goodput": round(ref_s / ft["train_s"], 3),
            "lost_per_kill_s": round((ft["train_s"] - ref_s) / len(kills), 3),
            "fault_free_train_s": [r["train_s"] for r in refs],

@@ -71,13 +71,13 @@ def assert_bitwise(got: dict, want: dict) -> None:
 
 
 def killed_and_restarted(tmp_path, fault: str, n: int, step_sleep: float, *worker_flags: str,
-                         reduction: tuple[str, ...] = EXACT):
+                         reduction: tuple[str, ...] = EXACT, launch_flags: tuple[str, ...] = ()):
     """A ready-admission run of ``n`` processes with ``fault``, restarted on failure; checks
     that all ``n`` finish with identical params and returns (events, description, params dir)."""
     out = tmp_path / "final"
     proc, events = train(tmp_path, MLP, "--steps", str(STEPS), "--admission", "ready", "--step_sleep", str(step_sleep),
                          *reduction, "--final_params", str(out), *worker_flags, n=n, restart="on-failure",
-                         faults=[fault], extra=["--timeout", "reset=30"])
+                         faults=[fault], extra=["--timeout", "reset=30", *launch_flags])
     why = proc.describe()
     assert proc.returncode == 0, why
     f = finals(events)
@@ -124,14 +124,14 @@ def test_the_float64_all_reduce_ends_with_the_1_process_bits_after_a_kill_and_a_
                     "--final_params", str(ref / "final"), n=1)
     assert proc.returncode == 0, proc.describe()
     events, why, out = killed_and_restarted(tmp_path / "run", "kill:process=1:step=15:phase=in-step", 3, 0.05,
-                                            reduction=wide)
+                                            reduction=wide, launch_flags=("--early-connect",))
     by_step = commits_by_step(events)
     assert sorted(by_step) == list(range(STEPS))
     assert by_step[15][0]["members"] == [0, 2] and by_step[STEPS - 1][0]["members"] == [0, 1, 2], why
     assert of(events, "rehydrated"), why
     assert_bitwise(load(out / "final-p1.npz"), load(ref / "final" / "final-p0.npz"))
-    # One node, every member marked the dead life dropped: the restart connected without
-    # waiting out the heartbeat (3 s + 1.5 s), but not before protocol.RESTART_GAP_S.
+    # --early-connect, one node, every member marked the dead life dropped: the restart
+    # connected without waiting out the heartbeat (3 s + 1.5 s), but not before RESTART_GAP_S.
     [death] = of(events, "fault", process=1, incarnation=0)  # (logged as it kills itself)
     [connected] = of(events, "initialized", process=1, incarnation=1)
     assert RESTART_GAP_S <= connected["time"] - death["time"] < 3.0, (death, connected)

@@ -65,6 +65,9 @@ class RestartPolicy:
       max_setup_crashes: lives in a row crashing before a commit that stop the restarts
         (:mod:`jaxft.supervisor.crashloop`); 0: no limit.
       nice_restarts: a restarted worker sets up this much nicer, until it joins (:mod:`jaxft.priority`).
+      early_connect: on one node, a restart connects once every member dropped its previous
+        life (:func:`jaxft.protocol.restart_may_connect`) instead of after the heartbeat
+        timeout + 1.5 s; opt-in (two soak seeds hung with it, see docs/design.md).
       hung_after_s: a SIGSTOPped worker counts as dead after this (None: twice ``Timeouts.heartbeat``).
     """
 
@@ -73,6 +76,7 @@ class RestartPolicy:
     delay_s: float = 0.0
     max_setup_crashes: int = crashloop.DEFAULT_LIMIT
     nice_restarts: int = 0
+    early_connect: bool = False
     hung_after_s: float | None = None
 
     def validate(self) -> None:

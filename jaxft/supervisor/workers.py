@@ -158,12 +158,12 @@ class WorkerPool:
 
     def drop_witnesses(self, worker: Worker) -> list[int]:
         """The processes whose marks let ``worker``'s restart connect early
-        (:func:`jaxft.protocol.restart_may_connect`): every other process of the run, if all are
-        local and ran since before its death, and its dead life was retired; else none (the
-        restart waits out the heartbeat timeout)."""
+        (:func:`jaxft.protocol.restart_may_connect`, ``jaxft launch --early-connect``): every
+        other process of the run, if all are local and ran since before its death, and its dead
+        life was retired; else none (the restart waits out the heartbeat timeout)."""
         died = worker.died_at or 0.0
         others = [o for o in self.workers if o is not worker]
-        if self.config.topology.nnodes > 1 or not worker.retired:
+        if not self.config.restart.early_connect or self.config.topology.nnodes > 1 or not worker.retired:
             return []
         if not all(o.running and o.launched_at < died for o in others):
             return []
