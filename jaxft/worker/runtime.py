@@ -311,8 +311,9 @@ def _wait_until_forgotten(environ: Mapping[str, str], heartbeat_timeout: float, 
     state_dir = environ.get(protocol.FAULT_STATE_DIR)
     if deadline <= start:
         return 0.0
-    logger.info("process %d: waiting up to %.1f s for the members to drop its previous incarnation",
-                process_id, deadline - start)
+    logger.info("process %d: waiting up to %.1f s for %s", process_id, deadline - start,
+                "the members to drop its previous incarnation" if witnesses
+                else "the service to forget its previous incarnation")
     while time.time() < deadline:
         if (witnesses and state_dir and time.time() >= earliest
                 and protocol.restart_may_connect(state_dir, process_id, died_at, witnesses)):
