@@ -59,6 +59,7 @@ def _refusal(stdout: str) -> str:
 
 # -- run() after run() -------------------------------------------------------------------------
 
+@pytest.mark.soak  # time budget (17 s): test_defects' second run in one job covers run() after run() by default
 def test_a_second_run_is_a_continuation_for_a_restarted_process(tmp_path):
     # run(20); run(160), process 2 killed at step 35. Before: its restart ran run(20), found the
     # first run's finish mark and exited 0; the rest ran at width 2, and finish() had stopped the
