@@ -153,12 +153,12 @@ def restart_may_connect(state_dir: str, process_id: int, died_at: float, witness
     died itself since. Then no member is left in a liveness query that counts ``process_id``
     (the launcher retired the dead life at once), and the new life is never pulled into one
     before it is ready: connecting now is as safe as after the heartbeat timeout."""
-    deaths = recorded_deaths(state_dir)
-    for w in witnesses:
-        marked = _read_time(os.path.join(state_dir, DROPPED, f"{int(process_id)}.{int(w)}"))
-        if (marked is None or marked < died_at) and deaths.get(int(w), 0.0) < died_at:
-            return False
-    return True
+    unmarked = [int(w) for w in witnesses
+                if (_read_time(os.path.join(state_dir, DROPPED, f"{int(process_id)}.{int(w)}")) or 0.0) < died_at]
+    if not unmarked:
+        return True
+    deaths = recorded_deaths(state_dir)  # (read only when a mark is missing: this is polled)
+    return all(deaths.get(w, 0.0) >= died_at for w in unmarked)
 
 
 def recorded_deaths(state_dir: str) -> dict[int, float]:

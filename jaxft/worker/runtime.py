@@ -311,14 +311,17 @@ def _wait_until_forgotten(environ: Mapping[str, str], heartbeat_timeout: float, 
     state_dir = environ.get(protocol.FAULT_STATE_DIR)
     if deadline <= start:
         return 0.0
+    early = bool(witnesses and state_dir)
     logger.info("process %d: waiting up to %.1f s for %s", process_id, deadline - start,
-                "the members to drop its previous incarnation" if witnesses
+                "the members to drop its previous incarnation" if early
                 else "the service to forget its previous incarnation")
+    if not early:
+        time.sleep(deadline - start)
+        return deadline - start
     while time.time() < deadline:
-        if (witnesses and state_dir and time.time() >= earliest
-                and protocol.restart_may_connect(state_dir, process_id, died_at, witnesses)):
+        if time.time() >= earliest and protocol.restart_may_connect(str(state_dir), process_id, died_at, witnesses):
             break
-        time.sleep(0.01 if witnesses else max(0.0, deadline - time.time()))
+        time.sleep(0.01)
     return time.time() - start
 
 
