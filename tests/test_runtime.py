@@ -282,21 +282,22 @@ def test_a_restart_connects_once_its_witnesses_dropped_its_previous_life(tmp_pat
     their marks, never less than RESTART_GAP_S after the death; without witnesses it waits
     out the heartbeat timeout + 1.5 s."""
     state = str(tmp_path)
-    died_at = time.time()
-    env = {protocol.DIED_AT: f"{died_at:.3f}", protocol.FAULT_STATE_DIR: state, protocol.DROP_WITNESSES: "0,2"}
+    died_at = float(f"{time.time():.6f}")  # as the launcher passes it
+    env = {protocol.DIED_AT: f"{died_at:.6f}", protocol.FAULT_STATE_DIR: state, protocol.DROP_WITNESSES: "0,2"}
     monkeypatch.setenv(protocol.FAULT_STATE_DIR, state)
+    time.sleep(0.01)  # a mark comes after the death it answers (a death rounded up once hid them)
     for member in ("0", "2"):
         monkeypatch.setenv(protocol.PROCESS_ID, member)
         protocol.mark_dropped(1)
     runtime._wait_until_forgotten(env, 1.0, 1)
     waited = time.time() - died_at
     assert protocol.RESTART_GAP_S - 0.01 <= waited < 2.5, waited
-    env[protocol.DIED_AT] = f"{time.time():.3f}"  # a new death: the marks above are older
+    env[protocol.DIED_AT] = f"{time.time():.6f}"  # a new death: the marks above are older
     start = time.time()
     runtime._wait_until_forgotten(env, 1.0, 1)
     assert time.time() - start >= 2.4, "marks older than the death do not count"
     env.pop(protocol.DROP_WITNESSES)
-    env[protocol.DIED_AT] = f"{time.time():.3f}"
+    env[protocol.DIED_AT] = f"{time.time():.6f}"
     start = time.time()
     runtime._wait_until_forgotten(env, 1.0, 1)
     assert time.time() - start >= 2.4, "no witnesses: the heartbeat timeout + 1.5 s"

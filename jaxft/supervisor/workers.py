@@ -127,7 +127,7 @@ class WorkerPool:
         })
         self.timeouts.export(env)
         if worker.died_at is not None:
-            env[protocol.DIED_AT] = f"{worker.died_at:.3f}"
+            env[protocol.DIED_AT] = f"{worker.died_at:.6f}"  # as precise as the marks compared with it
             env[protocol.PEERS_RUNNING] = "1" if t.nnodes > 1 or self.member_may_run(worker) else "0"
             env[protocol.DROP_WITNESSES] = ",".join(map(str, self.drop_witnesses(worker)))
         else:
