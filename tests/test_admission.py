@@ -3,13 +3,12 @@ at a step every member agreed on, and the run computes what the fault-free run c
 
 import numpy as np
 import pytest
-from helpers import MLP, commits_by_step, finals, free_port, run_python, train
+from helpers import EXACT, MLP, commits_by_step, finals, free_port, run_python, train
 from helpers import by_event as of
 
 from jaxft.protocol import RESTART_GAP_S
 
 STEPS = 120
-EXACT = ("--reduction", "exact", "--exact_chunks", "8")  # the result does not depend on the width
 
 
 def load(path):

@@ -10,12 +10,12 @@ import os
 
 import pytest
 from helpers import (
+    EXACT,
     MLP,
     PYTHON,
     check_agreed_run,
     commits_by_step,
     finals,
-    one_process_shas,
     run_jaxft,
     run_python,
     stop_with_checkpoint,
@@ -25,14 +25,13 @@ from helpers import (
 from helpers import by_event as of
 
 STEPS = 30
-EXACT = ("--reduction", "exact", "--exact_chunks", "8")
 EVERY = ("--commit_every", "4")
 
 
 @pytest.fixture(scope="module")
-def sequential_runs(tmp_path_factory):
+def sequential_runs(one_process_exact):
     """``steps -> params_sha256`` of the one-process run with a commit per step."""
-    return one_process_shas(tmp_path_factory, *EXACT, absent="deferred")
+    return one_process_exact
 
 
 @pytest.fixture
@@ -79,14 +78,16 @@ def test_a_failure_undoes_the_steps_since_the_last_commit_everywhere(sequential,
     assert all(f["rolled_back"] == 2 for f in survivors), survivors
 
 
-def test_a_restarted_member_rejoins_a_run_with_a_commit_every_4_steps(sequential_runs, tmp_path):
+def test_a_restarted_member_rejoins_a_pipelined_run_with_a_commit_every_4_steps(sequential_runs, tmp_path):
     # A kill inside step 6's program: the survivors undo steps 4 and 5 (run, not committed)
     # and go on at width 2; the restarted process is admitted at a commit of its own and
-    # rehydrated from a member's committed state.
+    # rehydrated from a member's committed state. With the pipeline too (the two opt-ins of
+    # the fast step path together; test_pipeline's own rejoin is in the soak): no early
+    # program crosses the failure or the admission, and the bits are the sequential run's.
     steps = 100  # (0.1 s a step: the restarted process has ~10 s to set up)
     sequential = sequential_runs(steps)
     faults = ["kill:process=1:step=6:phase=in-step"]
-    proc, events = train(tmp_path, MLP, "--steps", str(steps), *EXACT, *EVERY, "--step_sleep", "0.1",
+    proc, events = train(tmp_path, MLP, "--steps", str(steps), *EXACT, *EVERY, "--pipeline", "--step_sleep", "0.1",
                          faults=faults, restart="on-failure")
     assert proc.returncode == 0, proc.describe()
     for p in (0, 2):
@@ -97,6 +98,7 @@ def test_a_restarted_member_rejoins_a_run_with_a_commit_every_4_steps(sequential
     assert sorted(f["process"] for f in fs) == [0, 1, 2], fs
     assert {f["params_sha256"] for f in fs} == {sequential}, fs
     assert all(f["deferred"] > 0 for f in fs), fs  # (the joiner too, after its admission)
+    assert all(f["started_early"] > 0 for f in fs if f["process"] != 1), fs
     commits = commits_by_step(events)
     assert sorted(commits) == list(range(steps))
     for step, cs in commits.items():

@@ -5,13 +5,12 @@ Real processes, a real coordination service, real SIGKILL at named phases.
 
 import numpy as np
 import pytest
-from helpers import MLP, commits_by_step, finals, train
+from helpers import EXACT, MLP, commits_by_step, finals, train
 from helpers import by_event as of
 
 STEPS = 30
 # The exact reduction makes a step's result independent of how many devices ran it, so a
 # run with failures must end with the fault-free run's params_sha256, to the bit.
-EXACT = ("--reduction", "exact", "--exact_chunks", "8")
 
 
 @pytest.fixture(scope="module")

@@ -36,8 +36,8 @@ def run(width, reduction, chunks):
     return hashlib.sha256(b"".join(x.tobytes() for x in leaves)).hexdigest()
 
 for chunks in map(int, sys.argv[1:]):
-    for reduction in ("exact", "allreduce64"):
-        print(f"{reduction}:{chunks}", *(run(w, reduction, chunks) for w in (1, 2, 3, 4)))
+    print(f"exact:{chunks}", *(run(w, "exact", chunks) for w in (1, 2, 3, 4)))
+print("allreduce64:8", *(run(w, "allreduce64", 8) for w in (1, 2, 3, 4)))
 print("allreduce", *(run(w, "allreduce", None) for w in (1, 2, 3, 4)))
 '''
 
@@ -53,10 +53,11 @@ def test_exact_reduction_is_bitwise_width_independent():
     for chunks in ("1", "3", "8"):
         shas = rows[f"exact:{chunks}"]
         assert len(shas) == 4 and len(set(shas)) == 1, (chunks, shas)
-        # the float64 all-reduce of the same chunks: the same bits here too (not guaranteed: a
-        # sum within ~2^-53 of a float32 rounding boundary could round either way)
-        wide = rows[f"allreduce64:{chunks}"]
-        assert len(wide) == 4 and len(set(wide)) == 1, (chunks, wide)
+    # the float64 all-reduce of the same chunks: the same bits here too (not guaranteed: a sum
+    # within ~2^-53 of a float32 rounding boundary could round either way); 8 chunks only (time
+    # budget: the chunk layouts are the exact reduction's, checked above for 1 and 3)
+    wide = rows["allreduce64:8"]
+    assert len(wide) == 4 and len(set(wide)) == 1, wide
     # the default all-reduce is not width-independent: what the exact reduction is for
     assert len(set(rows["allreduce"])) > 1, rows["allreduce"]
 

@@ -8,12 +8,12 @@ import json
 
 import pytest
 from helpers import (
+    EXACT,
     MLP,
     PYTHON,
     check_agreed_run,
     commits_by_step,
     finals,
-    one_process_shas,
     run_jaxft,
     stop_with_checkpoint,
     too_late_to_rejoin,
@@ -22,13 +22,12 @@ from helpers import (
 from helpers import by_event as of
 
 STEPS = 30
-EXACT = ("--reduction", "exact", "--exact_chunks", "8")
 
 
 @pytest.fixture(scope="module")
-def sequential_runs(tmp_path_factory):
+def sequential_runs(one_process_exact):
     """``steps -> params_sha256`` of the one-process run without pipeline."""
-    return one_process_shas(tmp_path_factory, *EXACT, absent="started_early")
+    return one_process_exact
 
 
 @pytest.fixture
@@ -66,6 +65,7 @@ def test_a_member_killed_before_the_commit_query_leaves_the_early_program(sequen
     assert not of(events, "hung"), of(events, "hung")
 
 
+@pytest.mark.soak  # time budget: test_commit_every's rejoin runs with --pipeline too
 def test_a_restarted_member_rejoins_a_pipelined_run(sequential_runs, tmp_path):
     # a kill inside the step's program, then a rejoin: no early program crosses an admission
     steps = 60  # (at 0.15 s a step, the restarted process has ~8 s to set up)

@@ -1,11 +1,10 @@
 """Rejoin: restarted processes are rehydrated from a live peer; training returns to full width."""
 
 import pytest
-from helpers import MLP, commits_by_step, finals, train
+from helpers import EXACT, MLP, commits_by_step, finals, train
 from helpers import by_event as of
 
 STEPS = 40
-EXACT = ("--reduction", "exact", "--exact_chunks", "8")  # results independent of the width, to the bit
 # These scenarios kill joiners as they join and restart processes every few steps of a
 # 40-step run: timed for connect admission, where a restart is a member as soon as it
 # connects. Ready admission (the default) lets the others train on while it sets up, and a
