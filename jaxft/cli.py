@@ -77,13 +77,17 @@ def _add_launch(sub) -> None:
                         "does not start with cpu, else CPU), "
                         "all (GPUs required), none (CPU workers: JAX_PLATFORMS=cpu unless set), or ids like 0,1,2")
     p.add_argument("--grace", type=float, default=5.0, help="SIGTERM -> SIGKILL bound at shutdown, seconds")
-    p.add_argument("--nice-restarts", type=int, default=0, metavar="N",
+    p.add_argument("--nice-restarts", type=int, default=None, metavar="N",
                    help="start a restarted worker N nicer and give it its priority back as it joins the step, "
-                   "where that can be undone (root or RLIMIT_NICE); 0 (default): off")
+                   "where that can be undone (root or RLIMIT_NICE); 0: off (default: 19 with --spares, where a "
+                   "restart becomes a spare that nobody waits for; else 0)")
     p.add_argument("--early-connect", action="store_true",
                    help="one node: a restart connects once every member dropped its previous life, not "
                         "heartbeat + 1.5 s after its death (restarts back ~3.5 s sooner; experimental: two "
                         "soak seeds hung with it)")
+    p.add_argument("--spares", type=int, default=0, metavar="K",
+                   help="hot spares: K workers more per node, set up and compiled but out of the steps until "
+                        "a member dies; one then takes its place before the next commit (default 0)")
     p.add_argument("--checkpoint-on-stop", action="store_true",
                    help="on Ctrl-C/SIGTERM, workers agree on a step, save a last checkpoint there (with an "
                         "ElasticCheckpointer), then exit; raise --grace to leave time for the write")
@@ -133,12 +137,12 @@ def _launch(args, parser) -> int:
     n, gpus, extra_env = _workers(args)
     config = LaunchConfig(
         command=command,
-        topology=Topology(n, nnodes=args.nnodes, node_rank=args.node_rank, gpus=gpus,
+        topology=Topology(n, nnodes=args.nnodes, node_rank=args.node_rank, gpus=gpus, spares=args.spares,
                           gloo_interface=args.gloo_interface,
                           service=Service(args.coordinator, host=args.host_coordinator, port=args.port,
                                           bind=args.bind)),
         restart=RestartPolicy(args.restart, max_restarts=args.max_restarts, delay_s=args.restart_delay,
-                              max_setup_crashes=args.max_setup_crashes, nice_restarts=args.nice_restarts,
+                              max_setup_crashes=args.max_setup_crashes, nice_restarts=_nice_restarts(args),
                               early_connect=args.early_connect),
         shutdown=Shutdown(args.grace, checkpoint_on_stop=args.checkpoint_on_stop),
         output=Output(args.run_dir, console="raw" if args.verbose else args.console,
@@ -147,9 +151,20 @@ def _launch(args, parser) -> int:
     return Launcher(config).run()
 
 
+def _nice_restarts(args) -> int:
+    """``--nice-restarts``, by default 19 with spares (a restart then sets up as the next spare:
+    nobody waits for it, and at full priority its set-up slowed the members' steps on shared
+    cores; measured: docs/benchmarks.md) and 0 without."""
+    if args.nice_restarts is not None:
+        return args.nice_restarts
+    return 19 if args.spares else 0
+
+
 def _workers(args) -> tuple[int, list[int] | None, dict[str, str]]:
-    """How many workers on this node, their GPUs (None: no GPU assignment), and what their
-    environment must add for it."""
+    """How many workers on this node (``--spares`` included), their GPUs (None: no GPU
+    assignment), and what their environment must add for it."""
+    if args.spares < 0:
+        raise LaunchError(f"--spares must be >= 0, got {args.spares}")
     gpus = args.gpus
     extra_env = {}
     if gpus == "none" and "JAX_PLATFORMS" not in os.environ:
@@ -169,10 +184,13 @@ def _workers(args) -> tuple[int, list[int] | None, dict[str, str]]:
     if n is None:
         if gpus is None:
             raise LaunchError("-n is required for CPU workers (no GPU found, --gpus none, or JAX_PLATFORMS=cpu)")
-        n = len(gpus)
-    elif gpus is not None and n > len(gpus):
-        raise LaunchError(f"-n {n} workers but this node has {len(gpus)} GPU(s) ({','.join(map(str, gpus))}): "
-                          "jaxft runs one worker per GPU; lower -n, or pass --gpus none to run on CPU")
+        n = len(gpus) - args.spares  # (the spares take GPUs too)
+    n += args.spares
+    if gpus is not None and n > len(gpus):
+        what = f"-n {n} workers" if not args.spares else f"{n} workers ({args.spares} of them spares)"
+        raise LaunchError(f"{what} but this node has {len(gpus)} GPU(s) ({','.join(map(str, gpus))}): jaxft runs "
+                          f"one worker per GPU; lower -n{' or --spares' if args.spares else ''}, or pass --gpus none "
+                          "to run on CPU")
     elif gpus is not None:
         gpus = gpus[:n]
     return n, gpus, extra_env

@@ -24,7 +24,9 @@ A fault spec is ``ACTION:key=value:...``:
   that admits it, after the rebuild's barriers, before anything else: fires in the joiner,
   with the step it holds); ``restore-deferred`` (a restarted process put off its checkpoint
   restore because its peers train on, :meth:`jaxft.ElasticCheckpointer.restore`; ``step`` is
-  the one it holds, 0 after a restart); ``in-commit`` (the step's commit query has been sent
+  the one it holds, 0 after a restart); ``ready`` (a joiner, a hot spare among them, right
+  after it said it is ready, before it is admitted; ``step`` is the one it holds);
+  ``in-commit`` (the step's commit query has been sent
   and the process waits in it: the rule fires from a timer 0.1 s after the query is handed
   to its thread, so that the query has reached the service); ``admitting`` (a member that
   has just admitted joiners, which enter at the next step; ``step=K`` fires at the first
@@ -54,7 +56,7 @@ from jaxft.errors import FaultSpecError
 
 ACTIONS = ("kill", "kill-all", "stop", "hang")
 PHASES = ("before-step", "in-step", "after-grad", "after-commit", "before-save", "during-save", "during-rehydrate",
-          "during-restore", "admitted", "restore-deferred", "in-commit", "admitting", "during-rebuild")
+          "during-restore", "admitted", "restore-deferred", "in-commit", "admitting", "during-rebuild", "ready")
 FROM_STEP_PHASES = ("admitting", "during-rebuild")  # step=K: "at the first such point from step K on"
 IN_COMMIT_DELAY_S = 0.1  # an in-commit rule fires this long after the query is handed to its thread
 DEFAULT_PHASE = "after-grad"

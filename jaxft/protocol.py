@@ -39,6 +39,9 @@ PEERS_RUNNING = "JAXFT_PEERS_MAY_RUN"
 # A restart: the local processes ("2,3") whose mark that they dropped its previous life lets it
 # connect before the heartbeat timeout (see restart_may_connect); absent: wait the timeout out
 DROP_WITNESSES = "JAXFT_DROP_WITNESSES"
+# The processes ("4,9") that start as hot spares (jaxft launch --spares): a cold start's members
+# are the others, and the run trains at their number (its width; see jaxft.core.spares)
+SPARES = "JAXFT_SPARES"
 RUN_DIR = "JAXFT_RUN_DIR"
 FAULTS = "JAXFT_FAULTS"  # ";"-separated fault specs (see jaxft.faults)
 FAULT_STATE_DIR = "JAXFT_FAULT_STATE_DIR"  # where "rule fired" markers live
@@ -57,6 +60,16 @@ def peers_may_run(environ: Mapping[str, str]) -> bool | None:
     """The launcher's word on a restart (:data:`PEERS_RUNNING`): a member may run on (True),
     none does (False), or nothing said (None: a first life, or no jaxft launch)."""
     return {"1": True, "0": False}.get(environ.get(PEERS_RUNNING, ""))
+
+
+def spares(environ: Mapping[str, str]) -> frozenset[int]:
+    """The processes that start as hot spares (:data:`SPARES`); empty without spares.
+    Raises ValueError on a malformed value."""
+    raw = environ.get(SPARES, "").strip()
+    try:
+        return frozenset(int(p) for p in raw.split(",") if p.strip())
+    except ValueError:
+        raise ValueError(f"${SPARES} must list process ids like '4,9', got {raw!r}") from None
 NODE_BEAT = "JAXFT_NODE_BEAT"  # a file the agent rewrites every second (``jaxft slurm`` watches it)
 SLURM_REQUEUE = "JAXFT_SLURM_REQUEUE"  # a SLURM job id: an agent that lost the service for good requeues it
 BASE_NICE = "JAXFT_BASE_NICE"  # the nice value a niced restart returns to when it joins (jaxft launch --nice-restarts)

@@ -3,6 +3,9 @@ SIGKILLed at 12/24/36/48 s and restarted at once, heartbeat 3 s; fault-free vs j
 admission) side by side. Prints goodput, time lost per kill, min width, max stall and the
 leaf-by-leaf relative difference of the final params from the fault-free run's, and each
 restart's way back by phase (``restarts``). ``--victims 1,2,3,0``: issue 40's schedule.
+``--spares 1``: the faulty run keeps a hot spare (``jaxft launch --spares``; the fault-free runs
+have none), and each death's swap is reported (``swaps``: the death to the first commit with the
+spare that took its place).
 
 The fault-free run is repeated after the faulty one (``--fault-free-runs 2``, the default) and
 the goodput is taken against the mean of the two: on this 2-core machine the same fault-free
@@ -10,7 +13,7 @@ run took anywhere from 55 to 75 s minutes apart, a drift of several seconds per 
 
     .venv/bin/python scripts/recovery_schedule.py [--admission ready|connect] [--steps 450]
         [--reduction allreduce64|exact] [--precompile 8] [--pipeline] [--commit-every N] [--fault-free-runs 1]
-        [--victims 1,2,3,0]
+        [--victims 1,2,3,0] [--spares 1] [--nice-restarts 19]
 """
 
 import argparse
@@ -27,10 +30,12 @@ from jaxft.supervisor.report import first_commits
 
 
 def run(base: str, name: str, steps: int, admission: str, faults: list[str], reduction: str,
-        precompile: int = 0, pipeline: bool = False, commit_every: int = 1, early_connect: bool = False) -> dict:
+        precompile: int = 0, pipeline: bool = False, commit_every: int = 1, early_connect: bool = False,
+        spares: int = 0, nice_restarts: int | None = None) -> dict:
     run_dir = os.path.join(base, name)
     cmd = [sys.executable, "-m", "jaxft.cli", "launch", "-n", "4", "--run-dir", run_dir, "--restart", "on-failure",
-           "--heartbeat-timeout", "3", "--max-restarts", "50", *(["--early-connect"] if early_connect else [])]
+           "--heartbeat-timeout", "3", "--max-restarts", "50", *(["--early-connect"] if early_connect else []),
+           "--spares", str(spares), *([] if nice_restarts is None else ["--nice-restarts", str(nice_restarts)])]
     for f in faults:
         cmd += ["--fault", f]
     cmd += ["--", sys.executable, "-m", "jaxft.bench.mlp", "--steps", str(steps), "--step_sleep", "0.1",
@@ -50,6 +55,8 @@ def run(base: str, name: str, steps: int, admission: str, faults: list[str], red
     fig["stall_excess_s"] = round(sum(max(0.0, g - median) for g in gaps), 3)
     fig["params"] = final_params(run_dir)
     fig["restarts"] = restart_phases(evts)
+    if spares:
+        fig["swaps"] = spare_swaps(evts)
     return fig
 
 
@@ -90,6 +97,20 @@ def restart_phases(evts: list[dict]) -> list[dict]:
     return out
 
 
+def spare_swaps(evts: list[dict]) -> list[dict]:
+    """Each death's swap with spares, in seconds after the death (the launcher's ``exit``): the
+    members admitted a spare (``admit``), and the spare's first commit (``back_s``)."""
+    out = []
+    for death in (e for e in evts if e["event"] == "exit" and e.get("signal")):
+        admit = _first(evts, "admit", death["time"])
+        back = admit and _first(evts, "commit", admit["time"], member=admit["joiners"][0])
+        out.append({"died": death["process"], "spare": admit and admit["joiners"],
+                    "before_step": bool(admit and admit.get("before_step")),
+                    **{k: None if e is None else round(e["time"] - death["time"], 2)
+                       for k, e in (("admitted_s", admit), ("back_s", back))}})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--admission", default="ready")
@@ -101,6 +122,9 @@ def main() -> None:
     ap.add_argument("--pipeline", action="store_true", help="mlp --pipeline (jaxft.ElasticLoop) in every run")
     ap.add_argument("--commit-every", type=int, default=1, help="mlp --commit_every (jaxft.ElasticLoop) in every run")
     ap.add_argument("--early-connect", action="store_true", help="jaxft launch --early-connect in every run")
+    ap.add_argument("--spares", type=int, default=0, help="jaxft launch --spares in the faulty run")
+    ap.add_argument("--nice-restarts", type=int, default=None,
+                    help="jaxft launch --nice-restarts in the faulty run (default: jaxft launch's)")
     ap.add_argument("--victims", default="1,1,1,1",
                     help="the processes killed at 12/24/36/48 s (issue 40's schedule: 1,2,3,0)")
     args = ap.parse_args()
@@ -111,7 +135,8 @@ def main() -> None:
     kills = [f"kill:process={v}:after={t}s" for v, t in zip(victims, (12, 24, 36, 48))]
     opts = (args.reduction, args.precompile, args.pipeline, args.commit_every, args.early_connect)
     ff = run(base, "fault_free", args.steps, args.admission, [], *opts)
-    ft = run(base, "jaxft", args.steps, args.admission, kills, *opts)
+    ft = run(base, "jaxft", args.steps, args.admission, kills, *opts, spares=args.spares,
+             nice_restarts=args.nice_restarts)
     refs = [ff]
     if args.fault_free_runs == 2:
         refs.append(run(base, "fault_free_after", args.steps, args.admission, [], *opts))
@@ -120,7 +145,7 @@ def main() -> None:
     same_refs = all(params_diff(r["params"], ff["params"])["bitwise_equal"] for r in refs)
     out = {"victims": victims, "admission": args.admission, "reduction": args.reduction, "precompile": args.precompile,
            "pipeline": args.pipeline, "commit_every": args.commit_every, "early_connect": args.early_connect,
-           "goodput": round(ref_s / ft["train_s"], 3),
+           "spares": args.spares, "nice_restarts": args.nice_restarts, "goodput": round(ref_s / ft["train_s"], 3),
            "lost_per_kill_s": round((ft["train_s"] - ref_s) / len(kills), 3),
            "fault_free_train_s": [r["train_s"] for r in refs],
            "fault_free": {k: v for k, v in ff.items() if k != "params"},

@@ -56,6 +56,8 @@ def add_parser(sub) -> None:
                    "chunks): allreduce64 makes the jaxft run's params bitwise equal to the fault-free run's")
     c.add_argument("--pipeline", action="store_true",
                    help="the three runs (and the overhead bench) with mlp --pipeline (jaxft.ElasticLoop)")
+    c.add_argument("--spares", type=int, default=0, metavar="K",
+                   help="also a jaxft run with K hot spares (jaxft launch --spares), the same kills")
     c.add_argument("--commit-every", type=int, default=1,
                    help="the three runs (and the overhead bench) with one commit query per this many steps "
                         "(jaxft.ElasticLoop's commit_every; a divisor of --checkpoint-every)")
@@ -101,10 +103,10 @@ def run(args) -> int:
                             args.commit_every)
         figures = bench_chaos(args.n, workload, Schedule(args.kill_every, args.kills, args.seed),
                               admission=args.admission, precompile=args.precompile, keep_dirs=args.keep_dirs,
-                              overhead=not args.no_overhead)
+                              overhead=not args.no_overhead, spares=args.spares)
         print(f"{'':12s} {'goodput':>8s} {'steps lost':>10s} {'recovery s':>10s} {'train s':>8s} "
               f"{'max stall s':>11s} {'min width':>9s}  params vs fault-free")
-        for name in ("fault_free", "jaxft", "restart_all"):
+        for name in ("fault_free", "jaxft", "restart_all", *(["jaxft_spares"] if args.spares else [])):
             f = figures[name]
             d = f.get("params_vs_fault_free")
             vs = "" if d is None else "bitwise" if d["bitwise_equal"] else f"{d['max_rel_diff_per_leaf']:.2e} rel"

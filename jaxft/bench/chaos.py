@@ -28,8 +28,14 @@ def reduction_flags(reduction: str) -> list[str]:
 
 
 def final_params(run_dir: str) -> dict[str, np.ndarray]:
-    """Process 0's final params, as ``jaxft.bench.mlp --final_params RUN_DIR/final`` wrote them."""
-    with np.load(os.path.join(run_dir, "final", "final-p0.npz")) as z:
+    """The lowest finishing process's final params, as ``jaxft.bench.mlp --final_params RUN_DIR/final``
+    wrote them (with hot spares, process 0's last life may have waited out the run as a spare)."""
+    d = os.path.join(run_dir, "final")
+    names = sorted((f for f in os.listdir(d) if f.startswith("final-p") and f.endswith(".npz")),
+                   key=lambda f: int(f[len("final-p"):-len(".npz")]))
+    if not names:
+        raise FileNotFoundError(f"no final-p*.npz in {d}")
+    with np.load(os.path.join(d, names[0])) as z:
         return {k: z[k] for k in z.files}
 
 
@@ -96,8 +102,9 @@ class Schedule:
 
 def bench_chaos(n: int = 4, workload: Workload = Workload(), schedule: Schedule = Schedule(), *,
                 admission: str = "ready", precompile: int = 8, keep_dirs: str | None = None,
-                overhead: bool = True) -> dict:
-    """The same training three ways: fault-free, jaxft with kills, restart-all with kills.
+                overhead: bool = True, spares: int = 0) -> dict:
+    """The same training three ways: fault-free, jaxft with kills, restart-all with kills (and a
+    fourth, ``jaxft_spares``, with ``spares`` hot spares and the same kills, when > 0).
 
     The jaxft run uses ``admission`` (``ready``: survivors train on while a restarted process
     sets up) and ``precompile`` (:mod:`jaxft.worker.warmup`); so does the fault-free run, the
@@ -120,11 +127,11 @@ def bench_chaos(n: int = 4, workload: Workload = Workload(), schedule: Schedule 
               *(["--pipeline"] if pipeline else []), "--commit_every", str(commit_every)]
     params: dict[str, dict[str, np.ndarray]] = {}
 
-    def job(name: str, restart: str, faults: list[str], extra: tuple[str, ...] = ()) -> list[dict]:
+    def job(name: str, restart: str, faults: list[str], extra: tuple[str, ...] = (), spares: int = 0) -> list[dict]:
         run_dir = os.path.join(base, name)
         extra = (*extra, "--final_params", os.path.join(run_dir, "final"))
         cmd = [sys.executable, "-m", "jaxft.cli", "launch", "-n", str(n), "--run-dir", run_dir,
-               "--restart", restart, "--max-restarts", "50"]
+               "--restart", restart, "--max-restarts", "50", "--spares", str(spares)]
         for f in faults:
             cmd += ["--fault", f]
         proc = subprocess.run(cmd + ["--", sys.executable, *worker, *extra], capture_output=True, text=True)
@@ -152,6 +159,8 @@ def bench_chaos(n: int = 4, workload: Workload = Workload(), schedule: Schedule 
     figures: dict[str, Any] = {"fault_free": run_figures(ff_events, steps)}  # (also the schedule, the config)
     figures["jaxft"] = run_figures(job("jaxft", "on-failure", rules, elastic), steps)
     figures["restart_all"] = run_figures(job("restart_all", "all", rules), steps)
+    if spares:  # (the kills name processes 0..n-1: members, or spares by then)
+        figures["jaxft_spares"] = run_figures(job("jaxft_spares", "on-failure", rules, elastic, spares), steps)
     ff = figures["fault_free"]["train_s"]
     for name in figures:
         figures[name]["goodput"] = round(ff / figures[name]["train_s"], 3)
@@ -160,7 +169,7 @@ def bench_chaos(n: int = 4, workload: Workload = Workload(), schedule: Schedule 
     figures["schedule"] = rules
     figures["config"] = {"processes": n, "steps": steps, "kill_every_s": kill_every, "kills": len(rules),
                          "admission": admission, "precompile": precompile, "reduction": reduction, "pipeline": pipeline,
-                         "commit_every": commit_every,
+                         "commit_every": commit_every, "spares": spares,
                          "checkpoint_every": checkpoint_every, "step_sleep_s": step_sleep, "seed": seed,
                          "run_dirs": base if keep_dirs else None}
     if overhead:

@@ -60,13 +60,16 @@ class Topology:
     """What processes run where.
 
     Attributes:
-      num_processes: workers on this node (``--nproc-per-node``; ``-n`` on a single node).
+      num_processes: workers on this node (``--nproc-per-node``; ``-n`` on a single node), its
+        spares included.
       nnodes: nodes in the job, one launcher (agent) each.
       node_rank: this node's rank in ``[0, nnodes)``; its workers are processes
         ``node_rank * num_processes + local``.
       gpus: one local device id per worker (None: no GPU assignment).
       gloo_interface: network interface of the CPU collectives.
       service: where the coordination service is.
+      spares: of each node's workers, how many (its last ones) start as hot spares
+        (:mod:`jaxft.core.spares`; ``--spares``).
     """
 
     num_processes: int
@@ -75,6 +78,13 @@ class Topology:
     gpus: Sequence[int] | None = None
     gloo_interface: str | None = None
     service: Service = Service()
+    spares: int = 0
+
+    @property
+    def spare_ids(self) -> tuple[int, ...]:
+        """The processes of the whole job that start as spares (the last ``spares`` of each node)."""
+        n, k = self.num_processes, self.spares
+        return tuple(r * n + i for r in range(self.nnodes) for i in range(n - k, n))
 
     @property
     def total_processes(self) -> int:
@@ -86,6 +96,9 @@ class Topology:
         return self.node_rank * self.num_processes
 
     def validate(self) -> None:
+        if not 0 <= self.spares < self.num_processes:
+            raise LaunchError(f"--spares {self.spares} leaves no worker to train on a node of {self.num_processes} "
+                              "(--spares K starts K workers more than -n)")
         if self.gpus is not None and len(self.gpus) != self.num_processes:
             raise LaunchError(f"{len(self.gpus)} GPUs given for {self.num_processes} processes; "
                               "jaxft runs one process per GPU")

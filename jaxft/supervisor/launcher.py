@@ -142,10 +142,12 @@ class Launcher:
         exit_code = 1
         try:
             where = f"node {t.node_rank} of {t.nnodes}: " if t.nnodes > 1 else ""
-            self.say(f"{where}coordinator at {address}; starting {t.num_processes} workers")
+            self.say(f"{where}coordinator at {address}; starting {t.num_processes} workers"
+                     + (f" ({t.spares} of them hot spares: processes {list(t.spare_ids)})" if t.spares else ""))
             self.events.log(Event.RUN_START, num_processes=t.total_processes, coordinator=address,
                             command=list(c.command), faults=list(c.faults), restart=c.restart.mode,
-                            source="launcher", node=t.node_rank, nnodes=t.nnodes)
+                            source="launcher", node=t.node_rank, nnodes=t.nnodes,
+                            **({"spares": list(t.spare_ids)} if t.spares else {}))
             for w in self.workers:
                 self.pool.start(w)
             exit_code = self._supervise(time.time())  # after= counts from here

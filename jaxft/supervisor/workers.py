@@ -125,6 +125,10 @@ class WorkerPool:
             protocol.FAULT_STATE_DIR: self.state_dir,
             "PYTHONUNBUFFERED": "1",
         })
+        if t.spares:
+            env[protocol.SPARES] = ",".join(map(str, t.spare_ids))
+        else:
+            env.pop(protocol.SPARES, None)
         self.timeouts.export(env)
         if worker.died_at is not None:
             env[protocol.DIED_AT] = f"{worker.died_at:.6f}"  # as precise as the marks compared with it

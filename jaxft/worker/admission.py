@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from jaxft import protocol
 from jaxft.core.votes import HOLD, READY
 from jaxft.errors import BarrierTimeout
 from jaxft.timeouts import Timeouts
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 READY_PREFIX = "jaxft/ready/"
 ADMIT_PREFIX = "jaxft/admit/"
 MEMBERS_KEY = "jaxft/members"
+SWAP_PREFIX = "jaxft/swap/"  # after a failed step: the spares its survivors take in (jaxft.core.spares.swap_key)
 
 
 def publish_members(process_ids: Sequence[int], writer: int) -> None:
@@ -91,6 +93,33 @@ def held(votes: np.ndarray, members: Sequence[int]) -> np.ndarray:
     return out
 
 
+def fresh_ready(entries: Sequence[tuple[str, str]], deaths: Mapping[int, float]) -> dict[int, str]:
+    """``{process: nonce}`` of the ready keys ``entries`` (``jaxft/ready/<process>/<nonce>`` ->
+    the time it announced) that no life died after announcing: a key whose process has a death
+    recorded since (``deaths``: process -> latest death) was left by a life that died waiting,
+    a hot spare most often, and admitting it would hold the members' next entry for a process
+    that never comes. The newest announcement of a process wins."""
+    best: dict[int, tuple[float, str]] = {}
+    for key, value in entries:
+        parts = key.rstrip("/").split("/")
+        try:
+            p, nonce, at = int(parts[-2]), parts[-1], float(value)
+        except (ValueError, IndexError):
+            continue
+        if deaths.get(p, float("-inf")) >= at:
+            continue
+        if p not in best or at > best[p][0]:
+            best[p] = (at, nonce)
+    return {p: nonce for p, (_, nonce) in best.items()}
+
+
+def _recorded_deaths() -> dict[int, float]:
+    """The deaths its launcher recorded for this node's processes (none outside ``jaxft launch``:
+    another node's joiner that died waiting is found by the heartbeat instead)."""
+    state_dir = os.environ.get(protocol.FAULT_STATE_DIR)
+    return protocol.recorded_deaths(state_dir) if state_dir else {}
+
+
 class ReadyWatcher:
     """A member's view of the joiners that announced readiness (a daemon thread)."""
 
@@ -112,15 +141,8 @@ class ReadyWatcher:
                 entries = c.key_value_dir_get(READY_PREFIX)
             except Exception:  # noqa: BLE001 - the service is gone: the job is ending
                 return
-            seen: dict[int, str] = {}
-            for key, _ in entries:
-                parts = key.rstrip("/").split("/")
-                try:
-                    seen[int(parts[-2])] = parts[-1]
-                except (ValueError, IndexError):
-                    continue
             with self._lock:
-                self._seen = seen
+                self._seen = fresh_ready(entries, _recorded_deaths() if entries else {})
 
     def votes(self, members: Sequence[int]) -> np.ndarray:
         """int32 ``[num_processes]``: :data:`READY` for each non-member with a ready key."""
@@ -149,6 +171,10 @@ class ReadyWatcher:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+
+
+class StillSpare(Exception):
+    """A joiner's wait (:meth:`Joiner.wait_admitted`) gave back control, still announced."""
 
 
 class Joiner:
@@ -197,22 +223,37 @@ class Joiner:
         return list(pids), {r["beat"]: kv.try_get(kv.Heartbeat.key(r["beat"]), c) for r in records if r["pids"] == pids}
 
     def announce(self) -> None:
-        kv.client().key_value_set(self._ready_key, "1", allow_overwrite=True)
+        """Say this process is ready (the key's value: when), and drop the keys earlier lives of
+        this process left (they died waiting: none of them can be admitted)."""
+        c = kv.client()
+        try:
+            stale = [k for k, _ in c.key_value_dir_get(f"{READY_PREFIX}{self.process_id}/") if k != self._ready_key]
+        except Exception:  # noqa: BLE001 - NOT_FOUND on some versions: none
+            stale = []
+        for key in stale:
+            c.key_value_delete(key)
+        c.key_value_set(self._ready_key, f"{time.time():.6f}", allow_overwrite=True)
 
     @property
     def _ready_key(self) -> str:
         return f"{READY_PREFIX}{self.process_id}/{self.nonce}"
 
-    def wait_admitted(self, members_gone_s: float | None = None) -> tuple[list[int], float, dict[int, int]] | None:
+    def wait_admitted(self, members_gone_s: float | None = None, width: int | None = None,
+                      give_back_s: float | None = None) -> tuple[list[int], float, dict[int, int]] | None:
         """Block until the members admit this process; returns the barrier's process ids, when
         they were admitting it (all of them alive then) and the admitting members' lives
         (process -> incarnation). None if the members stopped
         meanwhile: no heartbeat of the newest member list's members moved for ``members_gone_s`` (they all
         died; then this process withdraws its announcement and starts cold with the others'
-        restarts, rather than wait for an admission that cannot come)."""
+        restarts, rather than wait for an admission that cannot come).
+
+        With spares (``width``: the run's member count), the time the listed members fill the
+        width does not count against ``Timeouts.admission``: this process is a spare then.
+        ``give_back_s``: raise :class:`StillSpare` after that long, still announced, so that
+        the caller may bound its waits one at a time."""
         c = kv.client()
         key = f"{ADMIT_PREFIX}{self.process_id}/{self.nonce}"
-        t0 = time.monotonic()
+        t0 = started = time.monotonic()
         beats, beats_since = None, time.monotonic()
         while True:
             try:
@@ -226,6 +267,8 @@ class Joiner:
                     raise
             if members_gone_s is not None:
                 now = self._member_beats()
+                if width is not None and now[0] is not None and len(now[0]) >= width:
+                    t0 = time.monotonic()  # a spare: the members are at full width
                 if now != beats:
                     beats, beats_since = now, time.monotonic()
                 elif time.monotonic() - beats_since > members_gone_s:
@@ -234,6 +277,8 @@ class Joiner:
                     except Exception:  # noqa: BLE001 - best effort
                         pass
                     return None
+            if give_back_s is not None and time.monotonic() - started > give_back_s:
+                raise StillSpare(self.process_id)
             if time.monotonic() - t0 > self.timeouts.admission:
                 raise BarrierTimeout(f"process {self.process_id} was not admitted within "
                                      f"{self.timeouts.describe('admission')}")

@@ -19,12 +19,14 @@ from jaxft.worker.members import Members
 
 
 class Skip(Exception):
-    """Leave a step without committing: too few members (all members agree on it); the votes
-    summed alone (ready admission), for the joiners they wait for."""
+    """Leave a step without committing: too few members (all members agree on it), or a spare
+    enters first (``spare``: fewer members than the width, and a spare ready in the agreed
+    votes, :mod:`jaxft.core.spares`); the votes summed alone (ready admission), for the joiners
+    they wait for."""
 
-    def __init__(self, verdict: votes_lib.Verdict | None):
-        super().__init__("too few members")
-        self.verdict = verdict
+    def __init__(self, verdict: votes_lib.Verdict | None, spare: bool = False):
+        super().__init__("a spare enters first" if spare else "too few members")
+        self.verdict, self.spare = verdict, spare
 
 
 class VotedFail(Exception):

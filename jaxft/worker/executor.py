@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxft.core import spares as spares_core
 from jaxft.core import votes as votes_lib
 from jaxft.events import EventLog
 from jaxft.faults import FaultInjector
@@ -55,7 +56,7 @@ class Executor:
         self.runner = runner_lib.StepRunner()
         self.feeder = BatchFeeder(data, batching, axis, pid)
         self.programs = Programs(step, process_id=pid, axis_name=axis, batching=batching, voting=self.voting,
-                                 precompile=bool(options.precompile), state=state,
+                                 precompile=bool(options.precompile) or group.width is not None, state=state,
                                  template=lambda: self.feeder.template)
         self.ballot = Ballot(group, options, events, faults, self.runner.pending)
         self.pipeline = Pipeline(self.runner, pid, lambda: group.data_plane.needs_reset and jax.process_count() > 1)
@@ -130,6 +131,23 @@ class Executor:
         fn, votes = self.programs.votes_only(m.mesh), self.ballot.input(m, step)
         out = self.runner.run(lambda: jax.block_until_ready(fn(votes)))
         return votes_lib.read(np.asarray(out.addressable_data(0)), len(m.devices))
+
+    def spare_first(self, m: Members, step: int) -> votes_lib.Verdict | None:
+        """With spares, below the width (alike on every member: ``m`` is agreed): the votes
+        alone, if they admit a spare, which then enters before any step commits without it
+        (:mod:`jaxft.core.spares`); else None, and the step runs at the members' width."""
+        width = self.group.width
+        if not spares_core.swap_first(m.process_ids, width):
+            return None
+        alone = self.votes_alone(m, step)
+        return alone if spares_core.to_admit(alone.admission, m.process_ids, width) else None
+
+    def take_spares(self, m: Members | None, step: int) -> None:
+        """After step ``step`` over ``m`` failed: the survivors take ready spares in at once,
+        unless this member holds admissions (a step program it left still runs)."""
+        spares = self.group.spares_after_failure(m.incarnations, self.runner.pending()) if m is not None else ()
+        if spares:
+            self.events.log(Event.ADMIT, step=step, joiners=list(spares), width=self.group.width, after_failure=True)
 
     def _job(self, step: int, m: Members, fn: Callable, args: tuple, fault_point: bool = True) -> Callable:
         """The step runner's job for step ``step``: its fault point, then its program."""

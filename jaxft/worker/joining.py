@@ -22,10 +22,12 @@ import jax
 
 from jaxft import priority, protocol
 from jaxft.core import commit as commit_core
+from jaxft.core import spares as spares_core
 from jaxft.errors import BarrierTimeout
 from jaxft.timeouts import Timeouts
 from jaxft.worker import admission as admission_lib
 from jaxft.worker import deaths as deaths_lib
+from jaxft.worker import kv
 from jaxft.worker.hang import HangMonitor
 from jaxft.worker.watchdog import hard_exit
 
@@ -50,22 +52,32 @@ class Joining:
       watch: bounds one barrier wait (:meth:`jaxft.worker.watchdog.Watchdog.watch`).
       run_finished: whether the peers finished the run this process is in.
       nobody_runs: the launcher said no member runs (a cold start whatever the service holds).
+      spares: the processes that start as hot spares (:mod:`jaxft.core.spares`): never part of
+        a cold start's member set; such a process waits for the members to start, then to take it in.
     """
 
     def __init__(self, process_id: int, timeouts: Timeouts, hang: HangMonitor, step: commit_core.MemberStep,
-                 watch: Watch, run_finished: Callable[[], bool], nobody_runs: bool):
+                 watch: Watch, run_finished: Callable[[], bool], nobody_runs: bool,
+                 spares: frozenset[int] = frozenset()):
         self.process_id, self.timeouts, self.hang, self.step = process_id, timeouts, hang, step
         self._watch, self._run_finished, self._nobody_runs = watch, run_finished, nobody_runs
+        self._spares = spares
+        # the number of members the run trains with (None: no spares, every live process is one)
+        self.width = len(spares_core.initial(spares, jax.process_count())) if spares else None
         self._before_announce: list[tuple[Callable[[tuple[int, ...]], None], bool]] = []
+        self._after_announce: list[Callable[[tuple[int, ...]], None]] = []
         self._on_cold_start: list[Callable[[], None]] = []
         self._admitted_by: dict[int, int] = {}  # the members (process -> incarnation) that admitted this process
         self._admitted_at: float | None = None  # when the joiners being admitted were admitted
         self._watcher: admission_lib.ReadyWatcher | None = None
 
     # -- hooks ------------------------------------------------------------------------
-    def before_admission(self, hook: Callable[[tuple[int, ...]], None], may_raise: bool = False) -> None:
+    def before_admission(self, hook: Callable[[tuple[int, ...]], None], may_raise: bool = False,
+                         announced: bool = False) -> None:
         """See :meth:`jaxft.ElasticGroup.before_admission`."""
-        if may_raise:
+        if announced:
+            self._after_announce.append(hook)
+        elif may_raise:
             self._before_announce.insert(0, (hook, True))
         else:
             self._before_announce.append((hook, False))
@@ -147,50 +159,80 @@ class Joining:
 
     def _join(self) -> tuple[list[int], float, bool]:
         """This process's first step: the barrier's process ids, when they were all alive, and
-        whether this is a cold start (every process forms the first member set); when a run
-        is going on, it waits to be admitted."""
-        everyone = sorted({d.process_index for d in jax.devices()})
+        whether this is a cold start (every process but the spares forms the first member set);
+        when a run is going on, it waits to be admitted. A process that starts as a spare never
+        starts cold: it waits for the members (bounded by ``Timeouts.admission``)."""
+        cold = list(spares_core.initial(self._spares, jax.process_count()))  # a cold start's members
+        spare = self.process_id in self._spares
         if self._run_finished():
             hard_exit(0, f"jaxft: the run finished before process {self.process_id} could join; exiting 0")
-        if self._nobody_runs:  # a cold start: no member list to wait on, whatever the service still holds
+        if self._nobody_runs and not spare:  # a cold start: no member list to wait on, whatever the service holds
             self._nobody_runs = False
             # every earlier life died before this process started, and a death record counts
             # against a life seen alive up to 1 s before it (see entry_query)
-            return everyone, max(time.time(), _STARTED_AT + 1.0), True
+            return cold, max(time.time(), _STARTED_AT + 1.0), True
         joiner = admission_lib.Joiner(self.process_id, self.timeouts)
-        listed_since = time.monotonic()
+        since = time.monotonic()
         while True:
             running = joiner.running_members(settle_s=max(1.5, 0.5 * self.timeouts.heartbeat))
-            if running is None:
-                return everyone, time.time(), True
-            if self.process_id not in running:
-                break
+            if running is None and not spare:
+                return cold, time.time(), True
+            if running is not None and self.process_id not in running:
+                admitted = self._wait_admitted(joiner, running)
+                if admitted is not None:
+                    return admitted
+                if not spare:  # every member died meanwhile: start with the others' restarts
+                    logger.warning("process %d: the members stopped while it waited to be admitted; starting cold",
+                                   self.process_id)
+                    return cold, time.time(), True
+                since = time.monotonic()  # a spare waits for the members' restarts
             # Still listed: the members have not yet entered a step without this process's
-            # previous life (they will at their next step, once they saw it die).
-            if time.monotonic() - listed_since > self.timeouts.admission:
-                raise BarrierTimeout(f"process {self.process_id}: the running members still list its "
-                                     f"previous life after {self.timeouts.describe('admission')}")
+            # previous life (they will at their next step, once they saw it die). Or a spare
+            # before the members started.
+            if time.monotonic() - since > self.timeouts.admission:
+                what = ("found no running members" if running is None
+                        else "found the running members still listing its previous life")
+                raise BarrierTimeout(f"process {self.process_id} {what} for {self.timeouts.describe('admission')}")
             time.sleep(0.2)
-        self._set_up(tuple(sorted(set(running) | {self.process_id})))
+
+    def _wait_admitted(self, joiner: admission_lib.Joiner, running: list[int]) -> tuple[list[int], float, bool] | None:
+        """Set up for ``running`` plus this process, say it is ready and wait to be admitted:
+        the barrier's process ids and when they were alive; None if every member stopped meanwhile.
+        A spare (the members fill the width) waits as long as they run, one barrier bound at a time."""
+        spare = self.width is not None and len(running) >= self.width
+        expected = tuple(sorted(set(running) | {self.process_id}))
+        self._set_up(expected, compile_ahead=not spare)
         joiner.announce()
+        for hook in self._after_announce:  # (the "ready" fault point)
+            hook(expected)
         t0 = time.monotonic()
-        with self._watch("waiting to be admitted"):  # exits 0 if the run finishes meanwhile
-            admitted = joiner.wait_admitted(members_gone_s=self.timeouts.heartbeat + 2.0)
-        if admitted is None:  # every member died meanwhile: start with the others' restarts
-            logger.warning("process %d: the members stopped while it waited to be admitted; starting cold",
-                           self.process_id)
-            return everyone, time.time(), True
+        while True:
+            # (exits 0 if the run finishes meanwhile; a spare never counts as waiting on a member)
+            with self._watch("waiting to be admitted", notice=not spare):
+                try:
+                    admitted = joiner.wait_admitted(members_gone_s=self.timeouts.heartbeat + 2.0, width=self.width,
+                                                    give_back_s=None if self.width is None
+                                                    else 0.5 * self.timeouts.barrier)
+                except admission_lib.StillSpare:
+                    continue  # (a new bound: a spare may wait for as long as the members run)
+            break
+        if admitted is None:
+            return None
         pids, alive_at, self._admitted_by = admitted
         self.step.joining = True
         logger.info("process %d admitted after %.2f s with %s", self.process_id, time.monotonic() - t0, pids)
         return pids, alive_at, False
 
-    def _set_up(self, expected: tuple[int, ...]) -> None:
-        """The before-admission hooks, for the member set this process expects to enter."""
+    def _set_up(self, expected: tuple[int, ...], compile_ahead: bool = True) -> None:
+        """The before-admission hooks, for the member set this process expects to enter
+        (``compile_ahead`` False: a spare, whose member set is unknown until one dies, runs the
+        checks only; the members' warm-up compiled its programs, :mod:`jaxft.worker.warmup`)."""
         with self.hang.busy():  # a compile may take a while; nobody waits for this process yet
             for hook, may_raise in self._before_announce:
                 if may_raise:  # (a check: a joiner it refuses must never be admitted)
                     hook(expected)
+                    continue
+                if not compile_ahead:
                     continue
                 try:
                     hook(expected)
@@ -199,24 +241,50 @@ class Joining:
 
     # -- the members' side ------------------------------------------------------------
     def votes(self, process_ids: Sequence[int]) -> np.ndarray:
-        """This member's view of the ready joiners (int32 per process id)."""
+        """This member's view of the ready joiners (int32 per process id; none while the
+        members fill the width: :func:`jaxft.core.spares.own_admission`)."""
         if self._watcher is None:
             self._watcher = admission_lib.ReadyWatcher(jax.process_count())
-        return self._watcher.votes(process_ids)
+        return spares_core.own_admission(self._watcher.votes(process_ids), process_ids, self.width)
 
     def admit(self, process_ids: Sequence[int], incarnations: Mapping[int, int], agreed_votes,
               deaths: deaths_lib.DeathWatch | None) -> tuple[int, ...]:
-        """After a commit: the joiners every member agreed on enter at the next step."""
-        joiners = tuple(p for p, v in enumerate(agreed_votes) if v == admission_lib.READY and p not in process_ids)
+        """After a commit (or a step the members left to take a spare in): the joiners every
+        member agreed on enter at the next step, no more than the width has room for
+        (:func:`jaxft.core.spares.to_admit`)."""
+        joiners = spares_core.to_admit(agreed_votes, process_ids, self.width)
         if joiners:
-            self.step.admit(joiners)
-            self._admitted_at = time.monotonic()
-            if deaths is not None:
-                # a joiner is a new life (it connected >= RESTART_GAP_S after any earlier death
-                # of its process id): earlier death records must not count against it
-                deaths.assume_alive_since(joiners, time.time() - protocol.RESTART_GAP_S)
-            assert self._watcher is not None
-            self._watcher.admit(joiners, sorted(set(process_ids) | set(joiners)), incarnations)
+            self._let_in(process_ids, incarnations, joiners, deaths)
+        return joiners
+
+    def _let_in(self, process_ids: Sequence[int], incarnations: Mapping[int, int], joiners: tuple[int, ...],
+                deaths: deaths_lib.DeathWatch | None) -> None:
+        """``joiners``, agreed by every member, enter at the next step (with ``process_ids``)."""
+        self.step.admit(joiners)
+        self._admitted_at = time.monotonic()
+        if deaths is not None:
+            # a joiner is a new life (it connected >= RESTART_GAP_S after any earlier death
+            # of its process id): earlier death records must not count against it
+            deaths.assume_alive_since(joiners, time.time() - protocol.RESTART_GAP_S)
+        assert self._watcher is not None
+        self._watcher.admit(joiners, sorted(set(process_ids) | set(joiners)), incarnations)
+
+    def after_failure(self, entry: Mapping[int, int], survivors: Mapping[int, int] | None, hold: bool,
+                      deaths: deaths_lib.DeathWatch | None, ready: bool = True) -> tuple[int, ...]:
+        """After a step over ``entry`` failed, leaving ``survivors`` (process -> life) below the
+        width: the spares they take in at once, to enter at the next step. Each survivor proposes
+        the ready spares it sees (none if it ``hold``s admissions) and all admit the first
+        proposal (:func:`jaxft.core.spares.swap_key`, :func:`jaxft.worker.kv.propose`), without a
+        step of their own at the narrower width first. An empty decision leaves it to the
+        next step's votes (:func:`jaxft.core.spares.swap_first`). ``ready`` False (connect
+        admission) or no ``survivors`` known: none."""
+        if not ready or survivors is None or self._watcher is None or not spares_core.swap_first(survivors, self.width):
+            return ()
+        mine = () if hold else spares_core.to_admit(self._watcher.votes(list(survivors)), survivors, self.width)
+        agreed = kv.propose(admission_lib.SWAP_PREFIX + spares_core.swap_key(entry), ",".join(map(str, mine)))
+        joiners = tuple(int(p) for p in (agreed or "").split(",") if p)
+        if joiners:
+            self._let_in(list(survivors), survivors, joiners, deaths)
         return joiners
 
     def stop_watching(self) -> None:

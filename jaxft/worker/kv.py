@@ -46,6 +46,18 @@ def try_get(key: str, c: Any | None = None) -> str | None:
         return None
 
 
+def propose(key: str, value: str, c: Any | None = None) -> str | None:
+    """Write ``value`` at ``key`` unless a value is there already, and return the value that
+    stands (the first proposal wins: every process that proposes reads the same one); None if
+    the service cannot be reached."""
+    c = c if c is not None else client()
+    try:
+        c.key_value_set(key, value)  # (no overwrite: ALREADY_EXISTS when another proposed first)
+    except Exception:  # noqa: BLE001
+        pass
+    return try_get(key, c)
+
+
 # -- liveness: a heartbeat in the key-value store ----------------------------------------------
 HEARTBEAT_PREFIX = "jaxft/alive/"
 

@@ -117,8 +117,8 @@ class ElasticLoop:
         self.state = canonical(state)
         self.last_metrics: dict[str, float] = {}
         self._too_few: tuple[int, ...] | None = None
-        self._last_failure = ""
-        self._resync = False  # the members ran different steps: the next step brings them together
+        self._took_spare = False  # the last attempt left its step to take a spare in first
+        self._last_failure, self._resync = "", False  # (_resync: the members ran different steps)
         self._in_step = 0  # the step the attempt in progress runs (for the in-commit fault point)
         self._leaks_logged = 0
         self.executor = Executor(step, data, self.group, options, batching, self.events, self.faults,
@@ -132,6 +132,7 @@ class ElasticLoop:
         self.group.on_reset(before=lambda: self.faults.point("during-rebuild", self._in_step))
         self.group.before_admission(lambda pids: self.sync.check_before_admission(self.state), may_raise=True)
         self.group.before_admission(lambda pids: self.precompiler.before_admission(pids, self.step, self.state))
+        self.group.before_admission(lambda pids: self.faults.point("ready", self.step), announced=True)
         self.group.on_exit_query(lambda: self.faults.point_soon("in-commit", self._in_step))
 
     @property
@@ -198,6 +199,8 @@ class ElasticLoop:
                     raise SystemExit(EXIT_STOPPED)
             elif self.pending:  # run, its commit left to a later step's (commit_every)
                 budget.pending()
+            elif self._took_spare:  # nothing failed: the next step has a spare in it
+                pass
             elif self._too_few is not None:  # nothing failed: too few members to commit
                 if budget.too_few(time.monotonic()) is not None:
                     raise TooFewMembers(f"only processes {list(self._too_few)} are alive, fewer than min_members="
@@ -218,7 +221,7 @@ class ElasticLoop:
         """One attempt at the next step: the record of the commit it made, or None if it made
         none (it failed; or, with ``commit_every``, it ran and its commit is left to a later step)."""
         step = self._in_step = self.step
-        self._too_few = None
+        self._too_few, self._took_spare = None, False
         self.faults.point("before-step", step)
         m: Members | None = None
         try:
@@ -226,6 +229,7 @@ class ElasticLoop:
                 ran = self._attempt(step, m)
         except StepFailed as e:
             self.executor.pipeline.leave(f"step {step} did not commit")
+            self.executor.take_spares(m, step)  # (they enter the retry: no step commits without them)
             return self._failed(step, str(e), failed=sorted(e.failed),
                                 cause=str(e.cause).splitlines()[0][:300] if e.cause else "membership changed")
         except VotedFail as e:  # a member could not build its inputs: every member fails the step
@@ -249,10 +253,12 @@ class ElasticLoop:
         except Reached:
             return None
         except Skip as e:
-            self.events.log(Event.STEP_WAITING, step=step, members=list(self._too_few or ()),
-                            min_members=self.options.retry.min_members)
+            self._took_spare = e.spare
+            if not e.spare:
+                self.events.log(Event.STEP_WAITING, step=step, members=list(self._too_few or ()),
+                                min_members=self.options.retry.min_members)
             if e.verdict is not None and m is not None:  # every member left this step alive: all admit alike
-                self._admit(m, e.verdict, step)
+                self._admit(m, e.verdict, step, **({"before_step": True} if e.spare else {}))
             return None
         except BaseException:  # (last: after the step's own exceptions)
             self.executor.pipeline.leave(f"step {step} raised")
@@ -287,6 +293,8 @@ class ElasticLoop:
         if len(m.process_ids) < self.options.retry.min_members:  # every member sees the same m: all skip
             self._too_few = m.process_ids
             raise Skip(ex.votes_alone(m, self.step) if voting else None)  # (its joiners can still enter)
+        if voting and (alone := ex.spare_first(m, self.step)) is not None:
+            raise Skip(alone, spare=True)  # no step commits without the spare: it enters first
         state, rehydrated = self.state, None
         resync = changed or self._resync
         if m.gained or self._resync:
@@ -320,11 +328,14 @@ class ElasticLoop:
             self.group.defer_commit()
         return ran
 
-    def _admit(self, m: Members, verdict: votes_lib.Verdict, step: int) -> None:
-        """Admit the joiners the members agreed on; they enter at ``step`` (``admit`` event)."""
+    def _admit(self, m: Members, verdict: votes_lib.Verdict, step: int, **fields: Any) -> None:
+        """Admit the joiners the members agreed on; they enter at ``step`` (``admit`` event; with
+        spares it names the width, and ``before_step`` when the members left a step for them)."""
         admitted = self.group.admit(m, verdict.admission)
         if admitted:
-            self.events.log(Event.ADMIT, step=step, joiners=list(admitted))
+            if self.group.width is not None:
+                fields["width"] = self.group.width
+            self.events.log(Event.ADMIT, step=step, joiners=list(admitted), **fields)
             self.faults.point("admitting", step)
 
     def _record(self, ran: Ran) -> StepRecord:
@@ -369,15 +380,19 @@ class ElasticLoop:
     def log_final(self, params: PyTree | None = None) -> dict:
         """Log the ``final`` event with the sha256 of ``params`` (default: the state's ``params``
         field or key if it has one, else the whole state)."""
-        tree = params
-        if tree is None:
-            s = self.state
-            tree = s["params"] if isinstance(s, dict) and "params" in s else getattr(s, "params", s)
-        o = self.options
-        return self.events.log(Event.FINAL, step=self.step, params_sha256=transfer.tree_sha256(tree),
-                               params_norm=transfer.tree_norm(tree), loss=self.last_loss,
-                               abandoned_programs=self.executor.runner.abandoned_total,
-                               **({"started_early": self.executor.pipeline.started_early,
-                                   "left_early": self.executor.pipeline.left_early} if o.pipeline else {}),
-                               **({"deferred": self.group.deferred, "rolled_back": self.commits.rolled_back}
-                                  if o.commit_every > 1 else {}))
+        return self.events.log(Event.FINAL, **_final_fields(self, params))
+
+
+def _final_fields(loop: ElasticLoop, params: PyTree | None) -> dict:
+    """The ``final`` event's fields (see :meth:`ElasticLoop.log_final`)."""
+    tree = params
+    if tree is None:
+        s = loop.state
+        tree = s["params"] if isinstance(s, dict) and "params" in s else getattr(s, "params", s)
+    o, ex = loop.options, loop.executor
+    return {"step": loop.step, "params_sha256": transfer.tree_sha256(tree), "params_norm": transfer.tree_norm(tree),
+            "loss": loop.last_loss, "abandoned_programs": ex.runner.abandoned_total,
+            **({"started_early": ex.pipeline.started_early, "left_early": ex.pipeline.left_early}
+               if o.pipeline else {}),
+            **({"deferred": loop.group.deferred, "rolled_back": loop.commits.rolled_back}
+               if o.commit_every > 1 else {})}

@@ -94,12 +94,10 @@ class ElasticGroup:
                  poll_s: float = 0.5):
         if admission not in (None, "connect", "ready"):
             raise ValueError(f"admission must be 'connect', 'ready' or None, got {admission!r}")
-        self.admission = admission
-        self.axis_name = axis_name
+        self.admission, self.axis_name = admission, axis_name
         self.timeouts = timeouts or timeouts_lib.current()
         self.process_id = jax.process_index()
-        self.generation = 0
-        self.runs = runs_lib.Runs()
+        self.generation, self.runs = 0, runs_lib.Runs()
         self.deferred = 0  # steps whose exit query was left to a later step's (see defer_commit)
         self.life: lives.Life | None = None  # this process's registered life (jaxft.worker.lives)
         # jaxft launch's word on a restart: a member may run on (True), none does (False: every
@@ -110,7 +108,8 @@ class ElasticGroup:
         self._watchdog = Watchdog(self.process_id, self.timeouts, self.hang, self.run_finished, poll_s)
         self.data_plane = DataPlane(self.process_id, axis_name, self.timeouts, self.hang)
         self._joining = Joining(self.process_id, self.timeouts, self.hang, self._step, self._watchdog.watch,
-                                self.run_finished, nobody_runs=self.peers_may_run is False)
+                                self.run_finished, self.peers_may_run is False, protocol.spares(os.environ))
+        self.width = self._joining.width  # the members a run with hot spares trains with (None: no spares)
         self._before_exit_query: Callable[[], None] | None = None  # (the loop's in-commit fault point)
         self._marked_commit = False  # this life's first commit is marked for its launcher
         self._published: tuple[int, ...] | None = None
@@ -124,12 +123,13 @@ class ElasticGroup:
         move them to host in ``before``, rebuild them in ``after``)."""
         self.data_plane.on_reset(before, after)
 
-    def before_admission(self, hook: Callable[[tuple[int, ...]], None], may_raise: bool = False) -> None:
+    def before_admission(self, hook: Callable[[tuple[int, ...]], None], may_raise: bool = False,
+                         announced: bool = False) -> None:
         """Register ``hook(process_ids)``, run by a joiner (ready admission) with the member set it
-        expects to enter, before it says it is ready: set-up there (a compile) costs the members
-        nothing. Its errors are logged and ignored, unless ``may_raise`` (a check that must stop
-        the joiner before it is admitted; those run first)."""
-        self._joining.before_admission(hook, may_raise)
+        expects to enter, before it says it is ready (``announced``: right after): set-up there
+        costs the members nothing. Errors are logged and ignored, unless ``may_raise`` (a check
+        that must stop the joiner before it is admitted; those run first)."""
+        self._joining.before_admission(hook, may_raise, announced)
 
     def on_cold_start(self, hook: Callable[[], None]) -> None:
         """Register ``hook()``, run once if this process's first step (ready admission) is a cold
@@ -146,10 +146,6 @@ class ElasticGroup:
         read). A stale list, of members that all died, is told apart from a live one only at
         this process's first step: set-up put off on this answer registers :meth:`on_cold_start`."""
         return self._joining.members_listed()
-
-    def adopt_generation(self, generation: int) -> None:
-        """After a sync: the generation the members agreed on."""
-        self.generation = generation
 
     def busy(self):
         """Context manager: long work between steps (an evaluation some run), exempt from the step deadline."""
@@ -338,6 +334,10 @@ class ElasticGroup:
         if self.admission != "ready":
             return ()
         return self._joining.admit(members.process_ids, members.incarnations, agreed_votes, self._deaths)
+
+    def spares_after_failure(self, entry: Mapping[int, int], hold: bool) -> tuple[int, ...]:
+        """After a step over ``entry`` failed: the spares its survivors take in at once (``Joining.after_failure``)."""
+        return self._joining.after_failure(entry, self._step.barrier, hold, self._deaths, self.admission == "ready")
 
     # -- runs -------------------------------------------------------------------------
     @property

@@ -178,7 +178,7 @@ class StateSync:
         the step untouched and go on."""
         me = self.group.process_id
         agreed = agree(step, self.group.generation, self.signature(state), members)
-        self.group.adopt_generation(agreed.generation)
+        self.group.generation = agreed.generation  # (the one the members agreed on)
         if agreed.refused:
             self.events.log(Event.STATE_MISMATCH, step=step, refused=list(agreed.refused), donor=agreed.donor)
             if me in agreed.refused:

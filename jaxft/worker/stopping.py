@@ -52,15 +52,11 @@ def stop_step(committed: int) -> int | None:
     global _agreed
     if _agreed is not None or not _requested.is_set():
         return _agreed
-    client = kv.client()
-    try:
-        client.key_value_set(STOP_KEY, str(committed + MARGIN))  # the first proposal wins
-    except Exception:  # noqa: BLE001 - ALREADY_EXISTS: another member proposed first
-        pass
-    try:
-        _agreed = int(client.key_value_try_get(STOP_KEY))
-    except Exception as e:  # noqa: BLE001 - the service is gone: stop now
-        logger.warning("cannot agree on a stop step (%s); stopping now", e)
+    agreed = kv.propose(STOP_KEY, str(committed + MARGIN))  # the first proposal wins
+    if agreed is None:  # the service is gone: stop now
+        logger.warning("cannot agree on a stop step; stopping now")
         _agreed = committed
+    else:
+        _agreed = int(agreed)
     logger.info("stopping after step %d (checkpoint on stop)", _agreed)
     return _agreed

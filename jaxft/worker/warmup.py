@@ -107,12 +107,21 @@ def shrinks(members: Sequence[int], min_members: int = 1) -> list[tuple[int, ...
     return singles + pairs
 
 
+def swaps(members: Sequence[int], spares: Sequence[int]) -> list[tuple[int, ...]]:
+    """The member sets a failure away from ``members`` when a spare takes the dead one's place
+    (:mod:`jaxft.core.spares`): less one process (the highest first), plus one of ``spares``."""
+    members = sorted(members)
+    return [tuple(sorted(set(members) - {gone} | {s})) for gone in reversed(members) for s in sorted(spares)]
+
+
 class Precompiler:
     """One loop's warm-up (``LoopOptions(precompile=K)``) and a joiner's compile before admission.
 
     Process 0, after a commit on a member set it did not warm up for yet, compiles in the
     background the step for each set one failure away (same state and batch shapes, another
-    mesh) and, while someone is missing, the rejoin's transfer from the donor it will have."""
+    mesh) and, while someone is missing, the rejoin's transfer from the donor it will have.
+    With spares at full width, the sets one failure away are first the swaps (:func:`swaps`),
+    each with the spare's transfer."""
 
     def __init__(self, programs: Any, feeder: Any, group: Any, events: Any, precompile: int, min_members: int):
         self.programs, self.feeder, self.group, self.events = programs, feeder, group, events
@@ -122,24 +131,37 @@ class Precompiler:
         self._done: set[tuple] = set()  # what was compiled ahead in this life
 
     def after_commit(self, process_ids: tuple[int, ...], state: Any) -> None:
-        """Warm up for ``process_ids`` (the members of the commit) if this process should."""
-        if (not self.precompile or len(process_ids) > self.precompile or self.feeder.template is None
-                or self.group.process_id != 0 or self._warmed_for == process_ids):
+        """Warm up for ``process_ids`` (the members of the commit) if this process should: with
+        ``precompile``, or with spares waiting (their swaps only, whatever ``precompile`` says)."""
+        width = self.group.width
+        shrinking = bool(self.precompile) and len(process_ids) <= self.precompile
+        swapping = width is not None and len(process_ids) >= width
+        if (not (shrinking or swapping) or self.feeder.template is None or self.group.process_id != 0
+                or self._warmed_for == process_ids):
             return
         if self._warmer is None:
             self._warmer = Warmer(on_done=self._compiled_one)
             self.group.on_reset(before=self._pause, after=self._warmer.resume)
         self._warmed_for = process_ids
         state_shapes, template, axis = shapes(state), self.feeder.template, self.group.axis_name
-        for pids in shrinks(process_ids, self.min_members):
+        everyone = tuple(range(jax.process_count()))
+        spares = [p for p in everyone if p not in process_ids] if swapping else []
+        nbytes = transfer.tree_nbytes({"step": np.int64(0), "state": state})
+        for pids in swaps(process_ids, spares):
+            if pids not in self._done:
+                self._warmer.submit(pids, functools.partial(self.programs.compile_for, mesh_of(pids, axis),
+                                                            state_shapes, template))
+            donor = min(p for p in pids if p in process_ids)
+            if ("rehydrate", pids) not in self._done:
+                self._warmer.submit(("rehydrate", pids), functools.partial(
+                    transfer.compile_broadcast, nbytes, donor, mesh_of(pids, axis), axis))
+        for pids in shrinks(process_ids, self.min_members) if shrinking else ():
             if pids in self._done:  # on disk already: after a rebuild it loads from there
                 continue
             self._warmer.submit(pids, functools.partial(self.programs.compile_for, mesh_of(pids, axis), state_shapes,
                                                         template))
-        everyone = tuple(range(jax.process_count()))
-        if process_ids != everyone and ("rehydrate", everyone) not in self._done:
+        if shrinking and not spares and process_ids != everyone and ("rehydrate", everyone) not in self._done:
             # someone is missing: the rejoin's transfer, from the donor it will have (the lowest member)
-            nbytes = transfer.tree_nbytes({"step": np.int64(0), "state": state})
             self._warmer.submit(("rehydrate", everyone), lambda: transfer.compile_broadcast(
                 nbytes, min(process_ids), mesh_of(everyone, axis), axis))
 

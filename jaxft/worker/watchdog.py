@@ -46,10 +46,11 @@ class Watchdog:
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
-    def watch(self, what: str, publish: bool = False) -> Iterator[None]:
+    def watch(self, what: str, publish: bool = False, notice: bool = True) -> Iterator[None]:
         """Bound the wait inside; ``publish``: say at once that this process waits (the exit of a
         failed step: a member stuck in it leaves once it sees that), not only after
-        ``WAIT_NOTICE_S``."""
+        ``WAIT_NOTICE_S``; ``notice`` False: never say it (a hot spare waits for a death, not for
+        a member: a member past its step deadline must not take it for one that waits on it)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, daemon=True, name="jaxft-watchdog")
             self._thread.start()
@@ -58,14 +59,14 @@ class Watchdog:
             self.hang.waiting(what)
         with self._cond:
             self._armed = (what, time.monotonic())
-            self._published = publish
+            self._published = publish or not notice  # (not notice: taken for published, never written)
             self._cond.notify()
         try:
             yield
         finally:
             with self._cond:
                 self._armed = None
-                published, self._published = self._published, False
+                published, self._published = self._published and notice, False
             if published:
                 self.hang.done_waiting()
 
