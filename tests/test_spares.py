@@ -104,12 +104,13 @@ def test_spares_are_workers_beyond_n_and_take_gpus_too(monkeypatch):
 
 
 # -- a real run -----------------------------------------------------------------------------------
-STEPS = 140  # (0.1 s a step: ~10 s between process 1's death and the one its restart replaces)
+STEPS = 100  # (the length of test_commit_every's rejoin: one 1-process reference for both)
+KILL_2 = 85  # (0.14 s a step: ~10 s between process 1's death and the one its restart replaces)
 
 
 @pytest.mark.smoke
 def test_spares_take_the_places_of_killed_members_and_restarts_become_spares(tmp_path, one_process_exact):
-    """Two members (0, 1) and a spare (2), 140 steps, exact reduction.
+    """Two members (0, 1) and a spare (2), 100 steps, exact reduction.
 
     * The spare dies right after it said it is ready (``phase=ready``): its ready key stays in
       the service, but no member may count a life that died since it announced.
@@ -117,14 +118,14 @@ def test_spares_take_the_places_of_killed_members_and_restarts_become_spares(tmp
       first), so process 0 retries alone and trains on at width 1, asking before every step;
       when 2's restart is ready it is voted in before a step (``before_step``), which commits
       at width 2.
-    * Process 2 dies at step 110: process 1's restart waits as the spare by then, and the
-      survivor proposes it at once (``after_failure``): step 110's retry commits at width 2.
+    * Process 2 dies at step 85: process 1's restart waits as the spare by then, and the
+      survivor proposes it at once (``after_failure``): step 85's retry commits at width 2.
     * Process 2's restart waits to the end (exits 0, in no commit); the params are the bits of
       a 1-process run."""
-    proc, evts = train(tmp_path, MLP, "--steps", str(STEPS), "--step_sleep", "0.1", *EXACT, n=2,
+    proc, evts = train(tmp_path, MLP, "--steps", str(STEPS), "--step_sleep", "0.14", *EXACT, n=2,
                        restart="on-failure", extra=["--spares", "1", "--heartbeat-timeout", "3"],
                        faults=["kill:process=2:step=0:phase=ready", "kill:process=1:step=8:phase=after-grad",
-                               "kill:process=2:step=110:phase=after-grad"])
+                               f"kill:process=2:step={KILL_2}:phase=after-grad"])
     why = proc.describe()
     assert proc.returncode == 0, why
     [start] = by_event(evts, "run_start")
@@ -134,12 +135,12 @@ def test_spares_take_the_places_of_killed_members_and_restarts_become_spares(tmp
     assert by_step[7][0]["members"] == [0, 1] and by_step[8][0]["members"] == [0], why  # (the dead spare's key)
     [late, fast] = by_event(evts, "admit")
     assert (late["joiners"], late.get("before_step"), late["width"]) == ([2], True, 2), late
-    assert 8 < late["step"] < 110 and by_step[late["step"]][0]["members"] == [0, 2], (late, why)
-    assert (fast["step"], fast["joiners"], fast.get("after_failure")) == (110, [1], True), fast
-    assert by_step[110][0]["members"] == [0, 1], "the spare entered the failed step's retry"
-    assert {tuple(c[0]["members"]) for s, c in by_step.items() if s >= 110} == {(0, 1)}, why
+    assert 8 < late["step"] < KILL_2 and by_step[late["step"]][0]["members"] == [0, 2], (late, why)
+    assert (fast["step"], fast["joiners"], fast.get("after_failure")) == (KILL_2, [1], True), fast
+    assert by_step[KILL_2][0]["members"] == [0, 1], "the spare entered the failed step's retry"
+    assert {tuple(c[0]["members"]) for s, c in by_step.items() if s >= KILL_2} == {(0, 1)}, why
     hydrated = {(e["process"], e["incarnation"], e["step"], e["donor"]) for e in by_event(evts, "rehydrated")}
-    assert hydrated == {(2, 1, late["step"], 0), (1, 1, 110, 0)}, hydrated
+    assert hydrated == {(2, 1, late["step"], 0), (1, 1, KILL_2, 0)}, hydrated
     # process 2's last restart waited as the spare: never admitted, exited 0 when the run ended
     assert not by_event(evts, "commit", process=2, incarnation=2), why
     assert [e.get("code") for e in by_event(evts, "exit", process=2, incarnation=2)] == [0], why
