@@ -64,7 +64,7 @@ def add_parser(sub) -> None:
     c.add_argument("--checkpoint-every", type=int, default=20)
     c.add_argument("--step-sleep", type=float, default=0.1, help="stretch each step by this many seconds")
     c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--keep-dirs", default=None, help="keep the three run directories under this path")
+    c.add_argument("--keep-dirs", default=None, help="keep the run directories under this path")
     c.add_argument("--no-overhead", action="store_true", help="skip the per-step overhead measurement")
     x = which.add_parser("kill", help="SIGKILL -> the survivors' next commit; a rejoin's cost to them")
     x.add_argument("-n", type=int, default=3)
