@@ -34,7 +34,6 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from jaxft import protocol
 from jaxft.core.votes import HOLD, READY
 from jaxft.errors import BarrierTimeout
 from jaxft.timeouts import Timeouts
@@ -113,19 +112,16 @@ def fresh_ready(entries: Sequence[tuple[str, str]], deaths: Mapping[int, float])
     return {p: nonce for p, (_, nonce) in best.items()}
 
 
-def _recorded_deaths() -> dict[int, float]:
-    """The deaths its launcher recorded for this node's processes (none outside ``jaxft launch``:
-    another node's joiner that died waiting is found by the heartbeat instead)."""
-    state_dir = os.environ.get(protocol.FAULT_STATE_DIR)
-    return protocol.recorded_deaths(state_dir) if state_dir else {}
-
-
 class ReadyWatcher:
-    """A member's view of the joiners that announced readiness (a daemon thread)."""
+    """A member's view of the joiners that announced readiness (a daemon thread). ``deaths``:
+    the deaths its launcher recorded for this node's processes (process -> latest;
+    :meth:`jaxft.worker.deaths.DeathWatch.records`): a ready key left by a life that died since
+    is not voted (:func:`fresh_ready`; another node's is found by the heartbeat instead)."""
 
-    def __init__(self, num_processes: int, poll_s: float = 0.2):
+    def __init__(self, num_processes: int, deaths: Callable[[], Mapping[int, float]] = dict, poll_s: float = 0.2):
         self.num_processes = num_processes
         self.poll_s = poll_s
+        self._deaths = deaths
         self._seen: dict[int, str] = {}  # process -> nonce of its ready key
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -142,7 +138,7 @@ class ReadyWatcher:
             except Exception:  # noqa: BLE001 - the service is gone: the job is ending
                 return
             with self._lock:
-                self._seen = fresh_ready(entries, _recorded_deaths() if entries else {})
+                self._seen = fresh_ready(entries, self._deaths() if entries else {})
 
     def votes(self, members: Sequence[int]) -> np.ndarray:
         """int32 ``[num_processes]``: :data:`READY` for each non-member with a ready key."""

@@ -74,9 +74,9 @@ class DeathWatch:
             elif known[0] is None:
                 self.since[p] = (inc, known[1])
 
-    def _records(self, fresh: bool = False) -> dict[int, float]:
+    def records(self, fresh: bool = False) -> dict[int, float]:
         """:func:`jaxft.protocol.recorded_deaths`, re-read only when the records directory changed (it is polled), or
-        ``fresh`` (the caller knows it changed)."""
+        ``fresh`` (the caller knows it changed). Thread-safe: the ready watcher reads it too."""
         if self.state_dir is None:  # no launcher: no records
             return {}
         state_dir = self.state_dir
@@ -96,7 +96,7 @@ class DeathWatch:
         re-read the records (see :meth:`_records`)."""
         if not self.state_dir:
             return set()
-        rec = self._records(fresh)
+        rec = self.records(fresh)
         return {p for p in pids if p in rec and p in self.since and rec[p] > self.since[p][1]}
 
     def live_nodes(self, query: Callable[[list[int]], Mapping[Any, Any]], pids: Sequence[int],

@@ -240,11 +240,11 @@ class Joining:
                     logger.exception("process %d: set-up before admission failed", self.process_id)
 
     # -- the members' side ------------------------------------------------------------
-    def votes(self, process_ids: Sequence[int]) -> np.ndarray:
+    def votes(self, process_ids: Sequence[int], deaths: deaths_lib.DeathWatch | None) -> np.ndarray:
         """This member's view of the ready joiners (int32 per process id; none while the
         members fill the width: :func:`jaxft.core.spares.own_admission`)."""
         if self._watcher is None:
-            self._watcher = admission_lib.ReadyWatcher(jax.process_count())
+            self._watcher = admission_lib.ReadyWatcher(jax.process_count(), deaths.records if deaths else dict)
         return spares_core.own_admission(self._watcher.votes(process_ids), process_ids, self.width)
 
     def admit(self, process_ids: Sequence[int], incarnations: Mapping[int, int], agreed_votes,

@@ -327,7 +327,7 @@ class ElasticGroup:
 
         if self.admission != "ready":
             return np.zeros(jax.process_count(), np.int32)
-        return self._joining.votes(members.process_ids)
+        return self._joining.votes(members.process_ids, self._deaths)
 
     def admit(self, members: Members, agreed_votes) -> tuple[int, ...]:
         """After a commit: the joiners every member agreed on enter at the next step."""

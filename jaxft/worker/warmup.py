@@ -142,27 +142,28 @@ class Precompiler:
         if self._warmer is None:
             self._warmer = Warmer(on_done=self._compiled_one)
             self.group.on_reset(before=self._pause, after=self._warmer.resume)
-        self._warmed_for = process_ids
+        warmer, self._warmed_for = self._warmer, process_ids
         state_shapes, template, axis = shapes(state), self.feeder.template, self.group.axis_name
         everyone = tuple(range(jax.process_count()))
         spares = [p for p in everyone if p not in process_ids] if swapping else []
         nbytes = transfer.tree_nbytes({"step": np.int64(0), "state": state})
-        for pids in swaps(process_ids, spares):
-            if pids not in self._done:
-                self._warmer.submit(pids, functools.partial(self.programs.compile_for, mesh_of(pids, axis),
+
+        def step_for(pids: tuple[int, ...]) -> None:
+            if pids not in self._done:  # on disk already: after a rebuild it loads from there
+                warmer.submit(pids, functools.partial(self.programs.compile_for, mesh_of(pids, axis),
                                                             state_shapes, template))
-            donor = min(p for p in pids if p in process_ids)
+
+        for pids in swaps(process_ids, spares):  # each with the spare's transfer, from the donor it will have
+            step_for(pids)
             if ("rehydrate", pids) not in self._done:
-                self._warmer.submit(("rehydrate", pids), functools.partial(
+                donor = min(p for p in pids if p in process_ids)
+                warmer.submit(("rehydrate", pids), functools.partial(
                     transfer.compile_broadcast, nbytes, donor, mesh_of(pids, axis), axis))
         for pids in shrinks(process_ids, self.min_members) if shrinking else ():
-            if pids in self._done:  # on disk already: after a rebuild it loads from there
-                continue
-            self._warmer.submit(pids, functools.partial(self.programs.compile_for, mesh_of(pids, axis), state_shapes,
-                                                        template))
+            step_for(pids)
         if shrinking and not spares and process_ids != everyone and ("rehydrate", everyone) not in self._done:
             # someone is missing: the rejoin's transfer, from the donor it will have (the lowest member)
-            self._warmer.submit(("rehydrate", everyone), lambda: transfer.compile_broadcast(
+            warmer.submit(("rehydrate", everyone), lambda: transfer.compile_broadcast(
                 nbytes, min(process_ids), mesh_of(everyone, axis), axis))
 
     def before_admission(self, pids: tuple[int, ...], step: int, state: Any) -> None:
