@@ -30,8 +30,9 @@ flags.DEFINE_enum("admission", "ready", ["ready", "connect"],
                   "set-up); ready: the others train on and admit it once it is ready (jaxft.worker.admission)")
 flags.DEFINE_bool("pipeline", False, "start each step's program before the previous step's commit query "
                   "(jaxft.ElasticLoop's pipeline)")
-flags.DEFINE_integer("commit_every", 1, "one commit query per this many steps (jaxft.ElasticLoop's commit_every: "
-                     "a failure undoes the steps since the last commit)", lower_bound=1)
+flags.DEFINE_string("commit_every", "auto", "one commit query per this many steps, or auto (jaxft.ElasticLoop's "
+                    "commit_every: a failure undoes the steps since the last commit)")
+flags.register_validator("commit_every", jaxft.valid_commit_every, "--commit_every: auto or an int >= 1")
 FLAGS = flags.FLAGS
 
 
@@ -109,7 +110,7 @@ def main(_):
         printed[1] = record.step
 
     options = jaxft.LoopOptions(check_every=FLAGS.check_every, precompile=FLAGS.precompile, pipeline=FLAGS.pipeline,
-                                commit_every=FLAGS.commit_every, admission=FLAGS.admission)
+                                commit_every=jaxft.parse_commit_every(FLAGS.commit_every), admission=FLAGS.admission)
     trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params, data, runtime=rt,
                                    on_commit=on_commit, options=options,
                                    reduction=jaxft.Reduction(micro_batch=FLAGS.micro_batch or None))

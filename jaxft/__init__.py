@@ -58,6 +58,8 @@ if TYPE_CHECKING:  # the lazy names below, for type checkers and IDEs
         MeshStep,
         Reduction,
         RetryPolicy,
+        parse_commit_every,
+        valid_commit_every,
     )
     from jaxft.worker.rejoin import Rehydration
     from jaxft.worker.runtime import Runtime, initialize
@@ -76,7 +78,7 @@ _LAZY = {
     "jaxft.worker.membership": ("ElasticGroup",),
     "jaxft.worker.members": ("Members",),
     "jaxft.worker.options": ("Batching", "CheckpointOptions", "InitOptions", "LoopOptions", "MeshStep", "Reduction",
-                             "RetryPolicy"),
+                             "RetryPolicy", "parse_commit_every", "valid_commit_every"),
     "jaxft.worker.rejoin": ("Rehydration",),
     "jaxft.worker.trainer": ("ElasticTrainer", "TrainState"),
     "jaxft.worker.train_step": ("make_train_step",),

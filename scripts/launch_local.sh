@@ -7,7 +7,8 @@
 #   ADMISSION=connect scripts/launch_local.sh   # restarted processes join at once (the others wait)
 #   PRECOMPILE=8 scripts/launch_local.sh        # process 0 compiles the meshes one failure away ahead
 #   PIPELINE=1 scripts/launch_local.sh          # each step's program starts during the last commit
-#   COMMIT_EVERY=5 scripts/launch_local.sh      # one commit query per 5 steps (a divisor of the checkpoints' 10)
+#   COMMIT_EVERY=5 scripts/launch_local.sh      # one commit query per 5 steps (a divisor of the checkpoints' 10;
+#                                               # default auto: jaxft decides, see docs/design.md)
 #
 # Creates .venv on first use. Faults: process 0 is killed mid-step at STEPS/10 (the others
 # retry the step without it), the last process dies before step STEPS/6 while process 0 is
@@ -48,7 +49,7 @@ STEPS=${STEPS:-400}
 ADMISSION=${ADMISSION:-ready}
 PRECOMPILE=${PRECOMPILE:-0}  # N: process 0 compiles the one-failure meshes ahead (see docs/design.md)
 PIPELINE=${PIPELINE:-0}  # 1: jaxft.LoopOptions(pipeline=True) (see docs/design.md)
-COMMIT_EVERY=${COMMIT_EVERY:-1}  # N: jaxft.LoopOptions(commit_every=N) (see docs/design.md)
+COMMIT_EVERY=${COMMIT_EVERY:-auto}  # N or auto: jaxft.LoopOptions(commit_every=...) (see docs/design.md)
 RUN_DIR=${RUN_DIR:-runs/launch_local-$(date +%Y%m%d-%H%M%S)}
 LAST=$((N - 1))
 

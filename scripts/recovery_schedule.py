@@ -30,7 +30,7 @@ from jaxft.supervisor.report import first_commits
 
 
 def run(base: str, name: str, steps: int, admission: str, faults: list[str], reduction: str,
-        precompile: int = 0, pipeline: bool = False, commit_every: int = 1, early_connect: bool = False,
+        precompile: int = 0, pipeline: bool = False, commit_every: int | str = "auto", early_connect: bool = False,
         spares: int = 0, nice_restarts: int | None = None) -> dict:
     run_dir = os.path.join(base, name)
     cmd = [sys.executable, "-m", "jaxft.cli", "launch", "-n", "4", "--run-dir", run_dir, "--restart", "on-failure",
@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--fault-free-runs", type=int, choices=(1, 2), default=2,
                     help="2: the fault-free run before and after the faulty one, goodput against their mean")
     ap.add_argument("--pipeline", action="store_true", help="mlp --pipeline (jaxft.ElasticLoop) in every run")
-    ap.add_argument("--commit-every", type=int, default=1, help="mlp --commit_every (jaxft.ElasticLoop) in every run")
+    ap.add_argument("--commit-every", default="auto", help="mlp --commit_every (jaxft.ElasticLoop) in every run")
     ap.add_argument("--early-connect", action="store_true", help="jaxft launch --early-connect in every run")
     ap.add_argument("--spares", type=int, default=0, help="jaxft launch --spares in the faulty run")
     ap.add_argument("--nice-restarts", type=int, default=None,

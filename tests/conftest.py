@@ -32,7 +32,8 @@ def one_process_exact(tmp_path_factory):
     """``steps -> params_sha256`` of ``mlp.py --reduction exact --exact_chunks 8`` run by one
     process, without a pipeline or batched commits: the bits a run with failures, at any
     width and with any of those options, must end with (each length run once a session)."""
-    return helpers.one_process_shas(tmp_path_factory, *helpers.EXACT, absent=("started_early", "deferred"))
+    return helpers.one_process_shas(tmp_path_factory, *helpers.EXACT, "--commit_every", "1",
+                                     absent=("started_early", "deferred"))
 
 
 @pytest.fixture

@@ -188,10 +188,93 @@ def test_a_stop_ends_a_run_with_a_commit_every_4_steps_at_one_step_with_its_chec
 
 
 @pytest.mark.parametrize("args, message", [
-    (("overhead", "--commit-every", "0"), "--commit-every must be >= 1, got 0"),
-    (("chaos", "--commit-every", "3"), "--commit-every 3: must be >= 1 and divide --checkpoint-every 20"),
+    (("overhead", "--commit-every", "0"), "--commit-every must be auto or an int >= 1, got 0"),
+    (("chaos", "--commit-every", "3"), "--commit-every 3: must be auto, or >= 1 and divide --checkpoint-every 20"),
 ])
 def test_the_benches_refuse_a_bad_commit_every_in_one_line(args, message):
     r = run_jaxft("bench", *args, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.describe()
     assert f"jaxft bench: error: {message}" in r.stderr, r.describe()
+
+
+# -- commit_every="auto" (the default) ------------------------------------------------------
+
+def test_auto_batches_short_steps_only_where_a_query_is_a_share_of_the_step():
+    from jaxft.core import batching
+
+    # a ~1 ms query: 13 ms steps batch the most, 0.1 s steps (2 % at most) do not, nor 1 s ones
+    assert batching.commit_every(0.013, 0.001, 1 / 600) == batching.MAX_STEPS
+    assert batching.commit_every(0.1, 0.001, 1 / 600) == 1
+    assert batching.commit_every(1.0, 0.001, 1 / 600) == 1
+    # 40 ms steps: at most MAX_UNDO_S of training undone by a failure
+    assert batching.commit_every(0.04, 0.001, 1 / 600) == int(batching.MAX_UNDO_S / 0.04)
+    # frequent failures batch less: sqrt(2 q / (f s^2))
+    assert batching.commit_every(0.013, 0.001, 1.0) == 3
+    assert batching.commit_every(0.013, 0.001, 10.0) == 1
+    assert batching.memory_allows(10, None) and batching.memory_allows(10, 100)
+    assert not batching.memory_allows(11, 100)
+
+
+def test_auto_measures_before_it_batches_and_counts_failures():
+    from jaxft.core import batching
+
+    b = batching.CommitBatcher(now=0.0)
+    t = 0.0
+    for _ in range(batching.WARMUP_STEPS):  # 10 ms steps, 1 ms queries
+        t += 0.01
+        b.ran(t)
+        b.committed(0.001)
+        assert b.size(t) == 1  # still measuring
+    t += 0.01
+    b.ran(t)
+    assert b.size(t) == batching.MAX_STEPS
+    assert not b.commit_now(pending=batching.MAX_STEPS - 2, now=t)
+    assert b.commit_now(pending=batching.MAX_STEPS - 1, now=t)
+    for _ in range(600):  # one failure a second over the prior's 600 s: less batching
+        b.failed()
+    assert b.size(t) == int((2 * 0.001 / (601 / (t + batching.PRIOR_FAILURE_S) * 0.01 ** 2)) ** 0.5) == 4
+    for _ in range(20000):  # failures all the time: batching no longer pays
+        b.failed()
+    assert b.size(t) == 1
+    b = batching.CommitBatcher(now=0.0, memory_ok=False)  # a state too big for one more copy
+    for k in range(40):
+        b.ran(0.01 * k)
+        b.committed(0.001)
+    assert b.size(0.4) == 1
+
+
+def test_auto_ends_a_batch_before_a_step_where_a_fault_rule_of_its_own_may_fire():
+    from jaxft.core import step as step_core
+
+    def votes(batch_full, next_quiet=True, commit_every=1):
+        return step_core.own_votes(20, 100, pipeline=False, next_quiet=next_quiet, commit_every=commit_every,
+                                   stop_requested=False, batch_full=batch_full)
+
+    assert not votes(False).commit
+    assert votes(True).commit
+    assert votes(False, next_quiet=False).commit  # (a fixed commit_every keeps its steps: the rule undoes them)
+    assert not votes(None, next_quiet=False, commit_every=4).commit
+    assert votes(None, commit_every=3).commit  # (step 20: the 21st, a multiple of 3)
+
+
+def test_a_run_with_the_default_batching_computes_the_same_with_a_kill_and_checkpoints(sequential, tmp_path):
+    # commit_every="auto" (the default): the first 16 steps commit alone while the members
+    # measure; then short steps batch. Process 2's rule kills it before step 24: its vote
+    # commits step 23 alone, so no step is undone, as without batching. The checkpoints every
+    # 10 steps commit alone too, and are saved at 10, 20 and 30.
+    faults = ["kill:process=2:step=24:phase=before-step"]
+    proc, events = train(tmp_path, MLP, "--steps", str(STEPS), *EXACT, "--checkpoint_every", "10", faults=faults)
+    assert proc.returncode == 1, proc.describe()  # process 2 died and was not restarted
+    survivors = finals(events)
+    assert sorted(f["process"] for f in survivors) == [0, 1]
+    assert {f["params_sha256"] for f in survivors} == {sequential}, survivors
+    for f in survivors:
+        assert f["deferred"] > 0 and f["rolled_back"] == 0, f
+    assert not of(events, "rolled_back")
+    for p in (0, 1):
+        assert [e["step"] for e in of(events, "commit", process=p)] == list(range(STEPS)), "each step once"
+        assert [e["step"] for e in of(events, "step_failed", process=p)] == [24]
+        assert {e["step"] for e in of(events, "checkpoint_saved", process=p)} == {10, 20, 30}
+    for step, commits in commits_by_step(events).items():
+        members = {tuple(c["members"]) for c in commits}
+        assert members == ({(0, 1, 2)} if step < 24 else {(0, 1)}), f"step {step}: {members}"

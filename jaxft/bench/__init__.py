@@ -36,8 +36,8 @@ def add_parser(sub) -> None:
                         "plain loop always runs the all-reduce")
     o.add_argument("--pipeline", action="store_true",
                    help="start each step's program before the previous step's commit query (jaxft.ElasticLoop)")
-    o.add_argument("--commit-every", type=int, default=1,
-                   help="one commit query per this many steps (jaxft.ElasticLoop's commit_every)")
+    o.add_argument("--commit-every", default="auto",
+                   help="one commit query per this many steps, or auto (default; jaxft.ElasticLoop's commit_every)")
     r = which.add_parser("rehydrate", help="state transfer to a joiner vs a TCP loopback copy")
     r.add_argument("-n", type=int, default=2)
     r.add_argument("--mb", type=float, default=100)
@@ -58,9 +58,9 @@ def add_parser(sub) -> None:
                    help="the three runs (and the overhead bench) with mlp --pipeline (jaxft.ElasticLoop)")
     c.add_argument("--spares", type=int, default=0, metavar="K",
                    help="also a jaxft run with K hot spares (jaxft launch --spares), the same kills")
-    c.add_argument("--commit-every", type=int, default=1,
-                   help="the three runs (and the overhead bench) with one commit query per this many steps "
-                        "(jaxft.ElasticLoop's commit_every; a divisor of --checkpoint-every)")
+    c.add_argument("--commit-every", default="auto",
+                   help="the three runs (and the overhead bench) with one commit query per this many steps, or "
+                        "auto (default; jaxft.ElasticLoop's commit_every; a number must divide --checkpoint-every)")
     c.add_argument("--checkpoint-every", type=int, default=20)
     c.add_argument("--step-sleep", type=float, default=0.1, help="stretch each step by this many seconds")
     c.add_argument("--seed", type=int, default=0)
@@ -93,7 +93,7 @@ def run(args) -> int:
         every = figures["commit_every"]
         print(f"per step: elastic {figures['elastic_ms']:.2f} ms, plain {figures['plain_ms']:.2f} ms, "
               f"ratio {figures['ratio']:.3f} ({figures['processes']} processes, {figures['reduction']}"
-              f"{', pipeline' if figures['pipeline'] else ''}{f', a commit every {every} steps' if every > 1 else ''})")
+              f"{', pipeline' if figures['pipeline'] else ''}{_batching(every, figures['deferred'])})")
         print(f"floor (plain + one coordination-service round trip per step): {figures['floor_ms']:.2f} ms, "
               f"ratio {figures['floor_ratio']:.3f}")
     elif args.bench == "chaos":
@@ -116,7 +116,7 @@ def run(args) -> int:
         print(f"{len(figures['schedule'])} kills; checkpoint every {args.checkpoint_every} steps; "
               f"jaxft admission: {args.admission}, precompile: {args.precompile}; reduction: {args.reduction}"
               f"{'; pipeline' if args.pipeline else ''}"
-              f"{f'; a commit every {args.commit_every} steps' if args.commit_every > 1 else ''}")
+              f"; commit_every {args.commit_every}")
         if "overhead_ratio" in figures:
             o = figures["overhead"]
             print(f"per-step overhead of jaxft over a plain JAX loop: {o['ratio']:.3f} "
@@ -154,3 +154,8 @@ def run(args) -> int:
     return 0
 
 
+def _batching(every: int | str, deferred: int) -> str:
+    """The overhead line's words for ``commit_every``."""
+    if every == "auto":
+        return f", commit_every auto ({deferred} steps deferred)"
+    return f", a commit every {every} steps" if int(every) > 1 else ", a commit every step"

@@ -20,6 +20,7 @@ from jaxft.errors import ConfigError
 from jaxft.events import read_events
 from jaxft.protocol import Event
 from jaxft.supervisor.report import first_commits, recovery_times
+from jaxft.worker.options import valid_commit_every
 
 
 def reduction_flags(reduction: str) -> list[str]:
@@ -78,7 +79,7 @@ def run_figures(events: list[dict], steps: int) -> dict:
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """What every run trains (:mod:`jaxft.bench.mlp`): ``steps`` steps of ``step_sleep`` s each, a
-    checkpoint every ``checkpoint_every`` (a multiple of ``commit_every``), the gradient
+    checkpoint every ``checkpoint_every`` (a multiple of ``commit_every`` unless it is ``"auto"``), the gradient
     ``reduction`` (the chunked ones in :data:`CHUNKS` chunks), ``pipeline`` and ``commit_every``
     (:class:`~jaxft.LoopOptions`)."""
 
@@ -87,7 +88,7 @@ class Workload:
     checkpoint_every: int = 20
     reduction: str = "allreduce"
     pipeline: bool = False
-    commit_every: int = 1
+    commit_every: int | str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +118,8 @@ def bench_chaos(n: int = 4, workload: Workload = Workload(), schedule: Schedule 
     steps, step_sleep, checkpoint_every = workload.steps, workload.step_sleep, workload.checkpoint_every
     reduction, pipeline, commit_every = workload.reduction, workload.pipeline, workload.commit_every
     kill_every, kills, seed = schedule.kill_every, schedule.kills, schedule.seed
-    if commit_every < 1 or checkpoint_every % commit_every:
-        raise ConfigError(f"--commit-every {commit_every}: must be >= 1 and divide --checkpoint-every "
+    if not valid_commit_every(commit_every) or (commit_every != "auto" and checkpoint_every % int(commit_every)):
+        raise ConfigError(f"--commit-every {commit_every}: must be auto, or >= 1 and divide --checkpoint-every "
                          f"{checkpoint_every} (on_commit runs once per commit)")
 
     base = keep_dirs or tempfile.mkdtemp(prefix="jaxft-chaos-")

@@ -39,8 +39,9 @@ flags.DEFINE_enum("admission", "ready", ["ready", "connect"],
 flags.DEFINE_integer("keep", 3, "complete checkpoints to keep (max_to_keep; 0: keep all)")
 flags.DEFINE_integer("precompile", 0, "compile the step for each member set one failure away in the "
                      "background while there are at most this many members (0: off; see jaxft.worker.warmup)")
-flags.DEFINE_integer("commit_every", 1, "one commit query per this many steps (jaxft.ElasticLoop's commit_every: "
-                     "a failure undoes the steps since the last commit)", lower_bound=1)
+flags.DEFINE_string("commit_every", "auto", "one commit query per this many steps, or auto (jaxft.ElasticLoop's "
+                    "commit_every: a failure undoes the steps since the last commit)")
+flags.register_validator("commit_every", jaxft.valid_commit_every, "--commit_every: auto or an int >= 1")
 flags.DEFINE_bool("pipeline", False, "start each step's program before the previous step's commit query "
                   "(jaxft.ElasticLoop's pipeline: the query's round trip hidden behind the program)")
 flags.DEFINE_bool("hold_jax_params", False, "keep the initial params as jax arrays for the whole run, as a "
@@ -138,7 +139,7 @@ def main(argv):
     reduction = jaxft.Reduction(FLAGS.reduction, chunks=FLAGS.exact_chunks if chunked else None,
                                 micro_batch=FLAGS.micro_batch or None)
     options = jaxft.LoopOptions(check_every=FLAGS.check_every, precompile=FLAGS.precompile, pipeline=FLAGS.pipeline,
-                                commit_every=FLAGS.commit_every, admission=FLAGS.admission)
+                                commit_every=jaxft.parse_commit_every(FLAGS.commit_every), admission=FLAGS.admission)
     trainer = jaxft.ElasticTrainer(loss_fn, optax.adam(FLAGS.learning_rate), params, data, runtime=rt,
                                    on_commit=on_commit, options=options, reduction=reduction)
     if ckpt is not None:

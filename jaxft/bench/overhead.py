@@ -13,12 +13,13 @@ import time
 from jaxft.bench._jobs import launch, result
 from jaxft.errors import ConfigError
 from jaxft.protocol import Event
+from jaxft.worker.options import parse_commit_every
 
 CHUNKS = 8  # the chunked reductions' chunk count in this bench
 
 
 def worker(steps: int, hidden: int, batch: int, admission: str = "ready", reduction: str = "allreduce",
-           pipeline: bool = False, commit_every: int = 1) -> None:
+           pipeline: bool = False, commit_every: int | str = "auto") -> None:
     import jaxft
 
     rt = jaxft.initialize()
@@ -106,10 +107,12 @@ def worker(steps: int, hidden: int, batch: int, admission: str = "ready", reduct
 
 def bench_overhead(n: int = 2, steps: int = 100, hidden: int = 512, batch: int = 512,
                    admission: str = "ready", reduction: str = "allreduce", pipeline: bool = False,
-                   commit_every: int = 1) -> dict:
+                   commit_every: int | str = "auto") -> dict:
     """``reduction`` other than the all-reduce cuts the batch in :data:`CHUNKS` chunks."""
-    if commit_every < 1:
-        raise ConfigError(f"--commit-every must be >= 1, got {commit_every}")
+    try:
+        commit_every = parse_commit_every(commit_every)
+    except ValueError:
+        raise ConfigError(f"--commit-every must be auto or an int >= 1, got {commit_every}") from None
     if reduction != "allreduce" and batch % CHUNKS:
         raise ConfigError(f"--reduction {reduction} cuts the global batch in {CHUNKS} chunks: {batch} is not a "
                          "multiple of it")
@@ -123,8 +126,6 @@ def bench_overhead(n: int = 2, steps: int = 100, hidden: int = 512, batch: int =
                               "commit_every", "deferred")}
 
 
-
-
 def _main(argv: list[str]) -> None:
     """``python -m jaxft.bench.overhead STEPS HIDDEN BATCH [ADMISSION [REDUCTION [PIPELINE(0|1) [COMMIT_EVERY]]]]``
     (what :func:`bench_overhead` launches; an argument left out takes :func:`worker`'s default)."""
@@ -133,7 +134,7 @@ def _main(argv: list[str]) -> None:
            admission=a[3] if len(a) > 3 else "ready",
            reduction=a[4] if len(a) > 4 else "allreduce",
            pipeline=bool(int(a[5])) if len(a) > 5 else False,
-           commit_every=int(a[6]) if len(a) > 6 else 1)
+           commit_every=parse_commit_every(a[6]) if len(a) > 6 else "auto")
 
 
 if __name__ == "__main__":

@@ -23,18 +23,26 @@ class OwnVotes:
 
 
 def own_votes(step: int, target: int | None, *, pipeline: bool, next_quiet: bool, commit_every: int,
-              stop_requested: bool) -> OwnVotes:
+              stop_requested: bool, batch_full: bool | None = None) -> OwnVotes:
     """A member's votes for step ``step`` of a run to ``target`` (None: its end unknown).
 
     ``next_quiet``: no fault rule of this member can fire at step ``step + 1`` (a step started
     early must not change where a rule fires). The run's end is this member's own: a restart
     catching up in an earlier ``run()`` ends there, and makes every member commit, admit
     nobody and start nothing early at that step, as they all would at their own last step.
+    ``batch_full``: with ``commit_every="auto"`` (:mod:`jaxft.core.batching`), whether this
+    member's own batch is full with this step (None: the fixed ``commit_every``); an auto batch
+    also ends before a step at which a fault rule of this member may fire, so the rules land
+    where they would without batching.
     """
     ends = target is not None and step + 1 >= target
     open_ended = target is None or ends  # a step starts early or defers only when the run's end is known
     not_ahead = open_ended or not pipeline or stop_requested or not next_quiet
-    commit = open_ended or commit_every == 1 or (step + 1) % commit_every == 0 or stop_requested
+    if batch_full is None:
+        full = commit_every == 1 or (step + 1) % commit_every == 0
+    else:
+        full = batch_full or not next_quiet
+    commit = open_ended or full or stop_requested
     return OwnVotes(hold=ends, not_ahead=not_ahead, commit=commit)
 
 

@@ -8,13 +8,14 @@ each decided alike by every member (from the members they share or the step's ag
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
 from jaxft.core import step as step_core
 from jaxft.core import votes as votes_lib
 from jaxft.types import PyTree
-from jaxft.worker import rejoin
+from jaxft.worker import rejoin, transfer
 from jaxft.worker.members import Members
 
 
@@ -77,6 +78,13 @@ class Ran:
     seconds: float
     new_state: PyTree = dataclasses.field(init=False, default=None)  # the local copy of new_global
     defer: bool = dataclasses.field(init=False, default=False)  # its commit is left to a later step's
+    ended: float = dataclasses.field(init=False, default=0.0)  # when the attempt's body ended (monotonic)
+
+    def record(self, generation: int) -> StepRecord:
+        """The step's record for ``on_commit``, in the members' ``generation``."""
+        m = self.members
+        return StepRecord(self.step, self.metrics.get("loss"), m.process_ids, generation, dict(m.incarnations),
+                          self.metrics)
 
 
 def read_outputs(host: tuple, voting: bool, num_devices: int,
@@ -94,3 +102,18 @@ def read_outputs(host: tuple, voting: bool, num_devices: int,
     if failure == "desync":
         raise Desync
     return metrics, verdict
+
+
+def final_fields(loop: Any, params: PyTree | None) -> dict:
+    """The ``final`` event's fields (see :meth:`jaxft.ElasticLoop.log_final`)."""
+    tree = params
+    if tree is None:
+        s = loop.state
+        tree = s["params"] if isinstance(s, dict) and "params" in s else getattr(s, "params", s)
+    o, ex = loop.options, loop.executor
+    return {"step": loop.step, "params_sha256": transfer.tree_sha256(tree), "params_norm": transfer.tree_norm(tree),
+            "loss": loop.last_loss, "abandoned_programs": ex.runner.abandoned_total,
+            **({"started_early": ex.pipeline.started_early, "left_early": ex.pipeline.left_early}
+               if o.pipeline else {}),
+            **({"deferred": loop.group.deferred, "rolled_back": loop.commits.rolled_back}
+               if o.batches else {})}

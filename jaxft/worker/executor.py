@@ -63,6 +63,16 @@ class Executor:
         # The last step's replicated outputs: (device ids, ids of the local leaves, global state)
         self._global: tuple | None = None
 
+    def admit(self, m: Members, verdict: votes_lib.Verdict, step: int, **fields: Any) -> None:
+        """Admit the joiners the members agreed on; they enter at ``step`` (``admit`` event; with
+        spares it names the width, and ``before_step`` when the members left a step for them)."""
+        admitted = self.group.admit(m, verdict.admission)
+        if admitted:
+            if self.group.width is not None:
+                fields["width"] = self.group.width
+            self.events.log(Event.ADMIT, step=step, joiners=list(admitted), **fields)
+            self.faults.point("admitting", step)
+
     def voting(self) -> bool:
         """Whether the programs carry the admission votes (ready admission)."""
         return self.group.admission == "ready"

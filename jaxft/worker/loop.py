@@ -56,7 +56,6 @@ import jax
 
 from jaxft.core import retry as retry_core
 from jaxft.core import step as step_core
-from jaxft.core import votes as votes_lib
 from jaxft.errors import ConsistencyError, RetryBudgetExceeded, StepFailed, TooFewMembers
 from jaxft.events import EventLog
 from jaxft.faults import FaultInjector
@@ -65,7 +64,7 @@ from jaxft.types import PyTree
 from jaxft.worker import rejoin, stopping, transfer
 from jaxft.worker import runner as runner_lib
 from jaxft.worker.arrays import canonical, local_copy, scalars, to_host
-from jaxft.worker.attempts import Desync, Ran, Reached, Skip, StepRecord, VotedFail, read_outputs
+from jaxft.worker.attempts import Desync, Ran, Reached, Skip, StepRecord, VotedFail, final_fields, read_outputs
 from jaxft.worker.commits import PendingCommits
 from jaxft.worker.executor import Executor
 from jaxft.worker.members import Members
@@ -124,6 +123,7 @@ class ElasticLoop:
         self.executor = Executor(step, data, self.group, options, batching, self.events, self.faults,
                                  lambda: self.state)
         self.commits = PendingCommits()
+        self.executor.ballot.pending = lambda: len(self.commits)  # (commit_every="auto": a member's batch)
         self.precompiler = Precompiler(self.executor.programs, self.executor.feeder, self.group, self.events,
                                        options.precompile, options.retry.min_members)
         self.sync = rejoin.StateSync(self.group, self.events, self.faults)
@@ -258,14 +258,14 @@ class ElasticLoop:
                 self.events.log(Event.STEP_WAITING, step=step, members=list(self._too_few or ()),
                                 min_members=self.options.retry.min_members)
             if e.verdict is not None and m is not None:  # every member left this step alive: all admit alike
-                self._admit(m, e.verdict, step, **({"before_step": True} if e.spare else {}))
+                self.executor.admit(m, e.verdict, step, **({"before_step": True} if e.spare else {}))
             return None
         except BaseException:  # (last: after the step's own exceptions)
             self.executor.pipeline.leave(f"step {step} raised")
             raise
         self._resync = False
         if ran.defer:  # run, not yet committed: the next commit query commits it, or it is undone
-            self.commits.defer(self._record(ran), (self.step, self.state, self.executor.remembered))
+            self.commits.defer(ran.record(self.group.generation), (self.step, self.state, self.executor.remembered))
             self._advance(ran)
             return None
         return self._commit(ran)
@@ -273,6 +273,7 @@ class ElasticLoop:
     def _failed(self, step: int, why: str, log: bool = True, **fields: Any) -> StepRecord | None:
         """Bookkeeping of an attempt that failed everywhere: None, the attempt's result (no commit)."""
         self._roll_back(f"step {step} did not commit")
+        self.executor.ballot.batcher.failed()
         self._last_failure = why
         self.faults.at_width(None)
         if log:
@@ -308,6 +309,7 @@ class ElasticLoop:
         else:
             new_global, host, local_error = ex.run(step, state, m)
         seconds = time.monotonic() - t0
+        ex.ballot.ran(state)
         metrics, verdict = read_outputs(host, voting, len(m.devices), local_error)
         self.faults.point("after-grad", step)
         # Read before the next program starts (pipeline): on CPU a read then waits behind it.
@@ -326,22 +328,8 @@ class ElasticLoop:
         ran.defer = voting and verdict is not None and step_core.defers(verdict, members_changed=resync)
         if ran.defer:
             self.group.defer_commit()
+        ran.ended = time.monotonic()  # (the commit query's time, for commit_every="auto")
         return ran
-
-    def _admit(self, m: Members, verdict: votes_lib.Verdict, step: int, **fields: Any) -> None:
-        """Admit the joiners the members agreed on; they enter at ``step`` (``admit`` event; with
-        spares it names the width, and ``before_step`` when the members left a step for them)."""
-        admitted = self.group.admit(m, verdict.admission)
-        if admitted:
-            if self.group.width is not None:
-                fields["width"] = self.group.width
-            self.events.log(Event.ADMIT, step=step, joiners=list(admitted), **fields)
-            self.faults.point("admitting", step)
-
-    def _record(self, ran: Ran) -> StepRecord:
-        m = ran.members
-        return StepRecord(ran.step, ran.metrics.get("loss"), m.process_ids, self.group.generation,
-                          dict(m.incarnations), ran.metrics)
 
     def _advance(self, ran: Ran) -> None:
         """This process now holds ``ran``'s step and state (committed, or pending a commit)."""
@@ -354,15 +342,16 @@ class ElasticLoop:
         m = ran.members
         if ran.rehydrated is not None:
             self.sync.joined(ran.rehydrated)
+        self.executor.ballot.batcher.committed(time.monotonic() - ran.ended)
         self._advance(ran)
-        record = self._record(ran)  # (the generation agreed with the donor's after a rejoin)
+        record = ran.record(self.group.generation)  # (the generation agreed with the donor's after a rejoin)
         committed = self.commits.commit(record)
         for r in committed:  # (with commit_every, the steps run since the last commit, then this one)
             self.events.log(Event.COMMIT, step=r.step, members=list(r.members), generation=r.generation, loss=r.loss)
         if m.reset:
             self.executor.log_rebuild(ran.step, ran.seconds)
         if ran.verdict is not None:  # (held at a member's last step: nobody is admitted then)
-            self._admit(m, ran.verdict, ran.step + 1)
+            self.executor.admit(m, ran.verdict, ran.step + 1)
         self.sync.publish(m.process_ids, self.state)
         self.precompiler.after_commit(m.process_ids, self.state)
         if self.on_commit is not None:
@@ -372,6 +361,11 @@ class ElasticLoop:
             self.faults.point("after-commit", r.step)
         return record
 
+    def commit_alone_at(self, when: Callable[[int], bool]) -> None:
+        """With ``commit_every="auto"``: commit alone each step after which ``when(loop.step)``
+        holds (``on_commit`` then sees that step; a checkpointer's saves)."""
+        self.executor.ballot.commit_at.append(when)
+
     def settle(self) -> None:
         """Wait for a step program started early (``pipeline``) to end, keeping its result for
         the next :meth:`try_step`: afterwards nothing of this loop runs on the devices."""
@@ -380,19 +374,5 @@ class ElasticLoop:
     def log_final(self, params: PyTree | None = None) -> dict:
         """Log the ``final`` event with the sha256 of ``params`` (default: the state's ``params``
         field or key if it has one, else the whole state)."""
-        return self.events.log(Event.FINAL, **_final_fields(self, params))
+        return self.events.log(Event.FINAL, **final_fields(self, params))
 
-
-def _final_fields(loop: ElasticLoop, params: PyTree | None) -> dict:
-    """The ``final`` event's fields (see :meth:`ElasticLoop.log_final`)."""
-    tree = params
-    if tree is None:
-        s = loop.state
-        tree = s["params"] if isinstance(s, dict) and "params" in s else getattr(s, "params", s)
-    o, ex = loop.options, loop.executor
-    return {"step": loop.step, "params_sha256": transfer.tree_sha256(tree), "params_norm": transfer.tree_norm(tree),
-            "loss": loop.last_loss, "abandoned_programs": ex.runner.abandoned_total,
-            **({"started_early": ex.pipeline.started_early, "left_early": ex.pipeline.left_early}
-               if o.pipeline else {}),
-            **({"deferred": loop.group.deferred, "rolled_back": loop.commits.rolled_back}
-               if o.commit_every > 1 else {})}

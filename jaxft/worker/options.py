@@ -51,7 +51,12 @@ class LoopOptions:
     undoes the steps since the last commit everywhere and runs them again). A step commits
     alone when joiners are admitted, the members just changed, the run ends, or a member was
     asked to stop. ``on_commit`` runs once per commit (a checkpoint's ``every`` must be a
-    multiple of N).
+    multiple of N). ``"auto"`` (default): each member measures its steps and commit queries
+    and batches only where the query is a noticeable share of a short step
+    (:mod:`jaxft.core.batching`: at most 16 steps and 0.5 s of training under one query, none
+    in the first 16 steps, none with a state over a tenth of a device's memory, none before a
+    step at which a fault rule may fire); an :class:`~jaxft.ElasticCheckpointer` commits alone
+    each step it saves. ``1``: every step commits alone (``on_commit`` after every step).
     ``check_every``: every N steps, all members compare their state bit for bit
     (:class:`~jaxft.errors.ConsistencyError`; 0: never).
     ``precompile``: after the members change, process 0 compiles, in the background, the step
@@ -65,18 +70,47 @@ class LoopOptions:
 
     retry: RetryPolicy = RetryPolicy()
     pipeline: bool = False
-    commit_every: int = 1
+    commit_every: int | str = "auto"
     check_every: int = 0
     precompile: int = 0
     admission: str = "ready"
 
+    @property
+    def auto_commit(self) -> bool:
+        """Whether each member decides how many steps a commit covers (``commit_every="auto"``)."""
+        return self.commit_every == "auto"
+
+    @property
+    def batches(self) -> bool:
+        """Whether a commit may cover several steps."""
+        return self.auto_commit or int(self.commit_every) > 1
+
     def __post_init__(self) -> None:
         if self.admission not in ("ready", "connect"):
             raise ValueError(f"admission must be 'ready' or 'connect', got {self.admission!r}")
-        if self.commit_every < 1:
-            raise ValueError(f"commit_every must be >= 1, got {self.commit_every}")
+        if self.commit_every != "auto" and (not isinstance(self.commit_every, int) or self.commit_every < 1):
+            raise ValueError(f"commit_every must be 'auto' or an int >= 1, got {self.commit_every!r}")
         if self.check_every < 0 or self.precompile < 0:
             raise ValueError("check_every and precompile must be >= 0")
+
+
+def parse_commit_every(value: int | str) -> int | str:
+    """A command line's ``commit_every``: ``"auto"`` or an int >= 1 (ValueError otherwise)."""
+    if value == "auto":
+        return "auto"
+    n = int(value)
+    if n < 1:
+        raise ValueError(f"commit_every must be 'auto' or an int >= 1, got {value!r}")
+    return n
+
+
+def valid_commit_every(value: int | str) -> bool:
+    """Whether :func:`parse_commit_every` takes ``value`` (a flag validator)."""
+    try:
+        parse_commit_every(value)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,9 @@ def check_every(every: int, loop) -> None:
     """Refuse a checkpoint interval the loop's commits never land on: ``on_commit`` runs once
     per commit, at multiples of ``commit_every``, so the other saves would silently not happen.
     A :class:`ConfigError` (exit 78): a restart would only repeat it."""
-    n = loop.options.commit_every
+    if loop.options.auto_commit:  # (each save's step commits alone: ElasticCheckpointer._fit_commits)
+        return
+    n = int(loop.options.commit_every)
     if every and every % n:
         raise ConfigError(f"ElasticCheckpointer every={every} is not a multiple of the loop's commit_every={n}: "
                           "on_commit runs once per commit, so saves between two commits would never happen")
@@ -114,6 +116,7 @@ class ElasticCheckpointer:
                                               "shuffle": bool(getattr(data, "shuffle", True))})
         self.restored: Restored | None = None
         self._last_record = None
+        self._fitted: set[int] = set()  # ids of the loops whose commits land on every save's step
 
     @property
     def directory(self) -> str:
@@ -128,7 +131,7 @@ class ElasticCheckpointer:
         ``restore_deferred`` event; returns None), and restores only if its first step turns
         out to be a cold start after all (every member died while it set up, or before)."""
         loop = _loop(trainer)
-        check_every(self.every, loop)  # before training: not at the first commit
+        self._fit_commits(loop)  # before training: not at the first commit
         if self._peers_train_on(loop):
             self.events.log(Event.RESTORE_DEFERRED, step=loop.step)
             loop.group.on_cold_start(lambda: self._restore(loop))
@@ -137,6 +140,14 @@ class ElasticCheckpointer:
             self.restored = None
             return None
         return self._restore(loop)
+
+    def _fit_commits(self, loop) -> None:
+        """Make the loop's commits land on every save's step: a fixed ``commit_every`` must
+        divide ``every`` (:func:`check_every`); with ``"auto"``, each such step commits alone."""
+        check_every(self.every, loop)
+        if self.every and loop.options.auto_commit and id(loop) not in self._fitted:
+            self._fitted.add(id(loop))
+            loop.commit_alone_at(lambda step, every=self.every: step % every == 0)
 
     def _peers_train_on(self, loop) -> bool:
         """A restart that ready admission will bring into a running set of members."""
@@ -159,7 +170,7 @@ class ElasticCheckpointer:
 
     def on_commit(self, trainer, record) -> None:
         """The trainer hook: abandon saves waiting on dead members; save every ``every`` steps."""
-        check_every(self.every, _loop(trainer))  # (restore() checked it, if it was called)
+        self._fit_commits(_loop(trainer))  # (restore() did, if it was called)
         self._last_record = record
         incs = _incarnations(record, trainer)
         self.store.notice_members(record.members, incs)
