@@ -1,6 +1,8 @@
 """Ready admission: the members keep training while a restarted process sets up; it enters
 at a step every member agreed on, and the run computes what the fault-free run computes."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from helpers import EXACT, MLP, commits_by_step, finals, free_port, run_python, train
@@ -376,3 +378,43 @@ def test_loops_default_to_ready_admission_and_a_bare_group_to_connect():
     assert rows["group"] == "None" and rows["trainer"] == "ready" and rows["explicit"] == "connect", rows
     assert rows["bare"] == "connect [0]", rows
     assert rows["bad"] == "admission must be 'connect', 'ready' or None, got 'eager'", rows
+
+
+STRANDED = str(Path(__file__).parent / "workers" / "stranded_cold_start.py")
+
+
+def test_a_cold_start_process_named_in_an_answer_it_never_got_joins_the_others(tmp_path, one_process_exact):
+    # The soak's hang (docs/design.md, 'A restart connects once the members dropped its
+    # previous life'), made deterministic (tests/workers/stranded_cold_start.py): the first
+    # lives of processes 1 and 3 die in the cold start's first query over all four; once 3's
+    # restart has connected, 0 and 2 ask it, and the service, which keeps entrants by process
+    # id, answers {0, 2, 3}: 3's new life, which never asked (1's restart had not connected).
+    # 0 and 2 confirm {0, 2, 3}; 3's new life then asks over all four, and so does 1's restart.
+    # Before: 0 and 2 waited for 3 in {0, 2, 3}, 3 and 1 for them in the query over all four,
+    # for ever. Now 0 and 2 say what they confirm, 3 asks that too, the three start, and 1's
+    # restart joins them as a restart does. When 3's first life had also asked over {0, 2, 3}
+    # (on 1's death record, just before its own death), the confirmation completes at once and
+    # 0 and 2 enter the first step with 3's new life: it takes their published entry instead.
+    steps = 100
+    proc, events = train(tmp_path, STRANDED, "--steps", str(steps), "--step_sleep", "0.06", *EXACT, n=4,
+                         restart="on-failure", extra=["--heartbeat-timeout", "3"], timeout=180)
+    why = proc.describe()
+    assert proc.returncode == 0, why
+    # (which of the two ways: whether 3's first life re-asked over the survivors on 1's death
+    # record before its own death; both happen here, about half the runs each)
+    switched = "process 3: the others confirm [0, 2, 3] on an answer it never got; asking that" in proc.stdout
+    adopted = ("process 3: the members entered a step with it on an answer it never got; entering with them"
+               in proc.stdout)
+    assert switched or adopted, why
+    by_step = commits_by_step(events)
+    assert sorted(by_step) == list(range(steps)), why
+    for step, commits in by_step.items():
+        members = {tuple(c["members"]) for c in commits}
+        assert len(members) == 1 and sorted(c["process"] for c in commits) == list(commits[0]["members"]), step
+    assert by_step[0][0]["members"] == [0, 2, 3], why
+    (admit, *_) = of(events, "admit")
+    assert admit["joiners"] == [1], why
+    assert by_step[steps - 1][0]["members"] == [0, 1, 2, 3], why
+    fs = finals(events)
+    assert sorted(f["process"] for f in fs) == [0, 1, 2, 3], why
+    assert {f["params_sha256"] for f in fs} == {one_process_exact(steps)}, why

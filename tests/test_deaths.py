@@ -353,3 +353,23 @@ def test_a_query_that_raises_timeouterror_is_not_taken_for_a_poll_that_timed_out
 
     with pytest.raises(TimeoutError, match="never answered"):
         w.live_nodes(query, [0, 1])
+
+
+def test_a_cold_start_process_left_in_its_first_query_reads_the_others_records():
+    from jaxft.core import coldstart as cs
+
+    cold = [0, 1, 2, 3]
+    confirm = cs.Record(writer=0, pids=(0, 2, 3), time=2.0)
+    # the others confirm a set that names it: it asks that set (only from the cold start's query)
+    assert cs.stranded(3, 7, cold, cold, [], [confirm]) == cs.Switch((0, 2, 3))
+    assert cs.stranded(3, 7, (0, 2, 3), cold, [], [confirm]) is None
+    assert cs.stranded(1, 7, cold, cold, [], [confirm]) is None  # (not named: it waits, or joins later)
+    # a members record naming this life: the others entered a step with it
+    entered = cs.Record(writer=0, pids=(0, 2, 3), time=3.0, lives={0: 5, 2: 6, 3: 7})
+    assert cs.stranded(3, 7, cold, cold, [entered], [confirm]) == cs.Adopt({0: 5, 2: 6, 3: 7})
+    assert cs.stranded(3, 8, cold, cold, [entered], [confirm]) is None  # (an earlier life of it: not this one)
+    # one without it: they started without it, it joins as a restart does
+    assert cs.stranded(1, 9, cold, cold, [entered], []) == cs.Joined()
+    older = cs.Record(writer=2, pids=(0, 1, 2, 3), time=1.0, lives={0: 5, 1: 9, 2: 6, 3: 4})
+    assert cs.stranded(1, 9, cold, cold, [older, entered], []) == cs.Joined()  # (the newest record counts)
+    assert cs.adoptable(3, None, entered) is None and cs.adoptable(3, 7, None) is None

@@ -6,7 +6,8 @@ equal the fault-free run's leaf by leaf, to the bit (the exact reduction), and n
 left running.
 
 `-m soak` (deselected by default). `JAXFT_SOAK_SEEDS=1,2,3` picks the seeds; each seed is
-printed, so a failure can be replayed with it.
+printed, so a failure can be replayed with it. `JAXFT_SOAK_LAUNCH="--early-connect"` adds
+options to every faulty run's `jaxft launch`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.soak
 
 N, STEPS, EVERY = 4, 100, 10
 SEEDS = [int(s) for s in os.environ.get("JAXFT_SOAK_SEEDS", "1,2,3").split(",")]
+LAUNCH = os.environ.get("JAXFT_SOAK_LAUNCH", "").split()
 WORKER = [PYTHON, MLP, "--steps", str(STEPS), "--checkpoint_every", str(EVERY), "--check_every", "10",
           "--hidden", "16", "--step_sleep", "0.05", "--reduction", "exact", "--exact_chunks", "8"]
 FIGURES = Path(os.environ.get("JAXFT_TEST_FIGURES_SOAK", "/tmp/jaxft-soak-figures.json"))
@@ -78,7 +80,8 @@ def reference(tmp_path_factory):
 def test_soak(seed, reference, tmp_path, marker):
     specs = schedule(seed)
     print(f"\nsoak seed {seed} ({len(specs)} faults): {' '.join(specs)}", file=sys.stderr)
-    args = ["--restart", "on-failure", "--max-restarts", "40", "--heartbeat-timeout", "3", "--timeout", "step=4"]
+    args = ["--restart", "on-failure", "--max-restarts", "40", "--heartbeat-timeout", "3", "--timeout", "step=4",
+            *LAUNCH]
     for s in specs:
         args += ["--fault", s]
     r = launch(N, [*WORKER, "--final_params", str(tmp_path / "final"), marker], *args, run_dir=tmp_path,

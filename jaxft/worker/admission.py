@@ -47,36 +47,14 @@ MEMBERS_KEY = "jaxft/members"
 SWAP_PREFIX = "jaxft/swap/"  # after a failed step: the spares its survivors take in (jaxft.core.spares.swap_key)
 
 
-def publish_members(process_ids: Sequence[int], writer: int) -> None:
-    """Record the current members and the writer's heartbeat nonce (each member, when the
-    members change: a joiner takes the run for gone only when none of them beats)."""
-    value = json.dumps({"pids": sorted(process_ids), "time": time.time(), "beat": kv.Heartbeat.get().nonce})
+def publish_members(entry: Mapping[int, int], writer: int) -> None:
+    """Record the current members (``entry``: the step's entry answer, process -> life) and the
+    writer's heartbeat nonce (each member, when the members change: a joiner takes the run for
+    gone only when none of them beats; a cold start's stranded process takes the answer,
+    :mod:`jaxft.worker.coldstart`)."""
+    value = json.dumps({"pids": sorted(entry), "lives": {str(p): int(i) for p, i in entry.items()},
+                        "time": time.time(), "beat": kv.Heartbeat.get().nonce})
     kv.client().key_value_set(f"{MEMBERS_KEY}/{writer}", value, allow_overwrite=True)
-
-
-def started_without(process_id: int, every_s: float = 0.25) -> Callable[[], bool]:
-    """A check (rate-limited to ``every_s``) that a members record was written or changed
-    since this call and does not list ``process_id``: the run started without it."""
-    c = kv.client()
-
-    def records() -> dict[str, str]:
-        try:
-            return dict(c.key_value_dir_get(f"{MEMBERS_KEY}/"))
-        except Exception:  # noqa: BLE001 - NOT_FOUND on some versions
-            return {}
-
-    before = records()
-    last = [time.monotonic()]
-
-    def check() -> bool:
-        if time.monotonic() - last[0] < every_s:
-            return False
-        last[0] = time.monotonic()
-        return any(before.get(k) != v and process_id not in json.loads(v)["pids"] for k, v in records().items())
-
-    return check
-
-
 
 
 def held(votes: np.ndarray, members: Sequence[int]) -> np.ndarray:

@@ -53,6 +53,7 @@ class DeathWatch:
         # open (this process counted in) until every live process of the set has asked.
         self._abandoned: dict[tuple[int, ...], concurrent.futures.Future] = {}
         self.lives: dict[int, set[int]] = {}  # every incarnation seen per process
+        self.asking: tuple[int, ...] = ()  # the set of the query asked last
         self._lock = threading.Lock()  # dead() is called from a Tripwire's thread too
         self._cache: dict[int, float] = {}
         self._stamp: tuple[int, int] | None = None
@@ -101,7 +102,8 @@ class DeathWatch:
 
     def live_nodes(self, query: Callable[[list[int]], Mapping[Any, Any]], pids: Sequence[int],
                    expect: Collection[int] = (), give_up: Callable[[], bool] | None = None,
-                   lives: Mapping[int, int] | None = None, since: float | None = None) -> dict[int, int]:
+                   lives: Mapping[int, int] | None = None, since: float | None = None,
+                   on_confirm: Callable[[list[int]], None] | None = None) -> dict[int, int]:
         """``query(pids)`` (a ``get_live_nodes`` barrier), re-asked without any process the
         launcher records dead while waiting, until an answer names every process asked (with
         the incarnation ``lives`` gives, for those it names).
@@ -133,7 +135,9 @@ class DeathWatch:
         once every member marked it, the restart of that process connects (see
         :func:`jaxft.protocol.restart_may_connect`).
 
-        ``give_up()`` (checked while waiting) abandons the query and raises :class:`GaveUp`.
+        ``give_up()`` (checked while waiting) abandons the query and raises :class:`GaveUp`;
+        ``on_confirm(pids)`` is called before a confirmation is asked (a cold start says so,
+        :mod:`jaxft.worker.coldstart`). :attr:`asking`: the set asked last.
         """
         pids = sorted(pids)
         while True:
@@ -146,6 +150,8 @@ class DeathWatch:
                         protocol.mark_dropped(p)
                 return dict(move.answer)
             pids = list(move.pids)  # confirm the survivors (see above)
+            if on_confirm is not None:
+                on_confirm(pids)
 
     def _ask_once(self, query, pids: list[int], expect: Collection[int],
                   give_up: Callable[[], bool] | None, since: float | None = None) -> dict:
@@ -153,6 +159,7 @@ class DeathWatch:
         if not self.state_dir and give_up is None:
             return {**{int(p): int(i) for p, i in query(pids).items()}, _ASKED: pids}
         while True:
+            self.asking = tuple(pids)
             future = self._reuse(tuple(pids), expect, since) or _ask(query, pids)
             again: liveness.Ask | None = None
             while True:
@@ -361,3 +368,4 @@ def _ask(query: Callable[[list[int]], Mapping[Any, Any]], pids: Sequence[int]) -
     whose last query returned (:class:`_QueryThread`)."""
     pids = list(pids)
     return _QueryThread.submit(lambda: query(pids))
+

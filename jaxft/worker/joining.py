@@ -13,6 +13,7 @@ The members vote inside their step (:meth:`Joining.votes`) and admit at its comm
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,13 +22,15 @@ from typing import TYPE_CHECKING
 import jax
 
 from jaxft import priority, protocol
+from jaxft.core import coldstart as coldstart_core
 from jaxft.core import commit as commit_core
 from jaxft.core import spares as spares_core
 from jaxft.errors import BarrierTimeout
 from jaxft.timeouts import Timeouts
 from jaxft.worker import admission as admission_lib
+from jaxft.worker import coldstart, kv
 from jaxft.worker import deaths as deaths_lib
-from jaxft.worker import kv
+from jaxft.worker import lives as lives_lib
 from jaxft.worker.hang import HangMonitor
 from jaxft.worker.watchdog import hard_exit
 
@@ -99,12 +102,21 @@ class Joining:
                     deaths: deaths_lib.DeathWatch) -> dict[int, int]:
         """The step's entry liveness query over the members plus those admitted at the last
         commit; on this process's first step over what :meth:`_join` says."""
+        switch: tuple[int, ...] | None = None  # the set a stranded cold start's process asks instead
         while True:
-            give_up = None
+            give_up: coldstart.ColdStartWatch | None = None
             expect: frozenset[int] = frozenset()
             lives: Mapping[int, int] | None = None
-            if isinstance(plan, commit_core.FirstStep):
-                pids, alive_at, cold = self._join()
+            confirm = None
+            if switch is not None:
+                pids, switch = list(switch), None
+            elif isinstance(plan, commit_core.FirstStep):
+                joined = self._join()
+                if isinstance(joined, coldstart_core.Adopt):  # (the members' cold start: its set-up too)
+                    priority.restore()
+                    self._run_cold_start_hooks()
+                    return dict(joined.entry)
+                pids, alive_at, cold = joined
                 priority.restore()  # a restart set up niced (see jaxft.priority): it joins now
                 # lives that died before alive_at - RESTART_GAP_S are earlier lives (a restart
                 # connects no sooner after a death): a record counts only against a later one
@@ -116,8 +128,11 @@ class Joining:
                     self._run_cold_start_hooks()
                     # a cold start, as far as this process could tell: if the others started
                     # without it meanwhile (it came up late, or is the restart of one that
-                    # died in their first step), this query would never be answered
-                    give_up = admission_lib.started_without(self.process_id)
+                    # died in their first step), or took an answer naming it from a query an
+                    # earlier life of it entered, this query would never be answered
+                    give_up = coldstart.ColdStartWatch(self.process_id, pids, lambda: deaths.asking,
+                                                      since=lives_lib.process_started_at())
+                    confirm = functools.partial(coldstart.publish_confirm, writer=self.process_id)
                 # admitted: a member's state will replace what the put-off hooks would set up; they
                 # are kept until this life's first commit, for the case the members die first
             else:
@@ -125,9 +140,19 @@ class Joining:
             try:
                 with self._watch("entering a step"):
                     return deaths.live_nodes(client.get_live_nodes, pids, expect=expect, give_up=give_up,
-                                             since=self._admitted_at, lives=lives)
+                                             since=self._admitted_at, lives=lives, on_confirm=confirm)
             except deaths_lib.GaveUp:
-                logger.info("process %d: the others started without it; joining them", self.process_id)
+                move = give_up.move if give_up is not None else None
+                if isinstance(move, coldstart_core.Adopt):
+                    logger.warning("process %d: the others entered the first step with it on an answer it never "
+                                   "got (a query an earlier life of it entered); entering with them", self.process_id)
+                    return dict(move.entry)
+                if isinstance(move, coldstart_core.Switch):
+                    logger.warning("process %d: the others confirm %s on an answer it never got; asking that",
+                                   self.process_id, list(move.pids))
+                    switch = move.pids
+                else:
+                    logger.info("process %d: the others started without it; joining them", self.process_id)
 
     def check_entry(self, entry: Mapping[int, int]) -> None:
         """Until this process's first commit: if none of the lives that admitted it is in the
@@ -157,7 +182,7 @@ class Joining:
             for hook in hooks:
                 hook()
 
-    def _join(self) -> tuple[list[int], float, bool]:
+    def _join(self) -> tuple[list[int], float, bool] | coldstart_core.Adopt:
         """This process's first step: the barrier's process ids, when they were all alive, and
         whether this is a cold start (every process but the spares forms the first member set);
         when a run is going on, it waits to be admitted. A process that starts as a spare never
@@ -188,7 +213,12 @@ class Joining:
                 since = time.monotonic()  # a spare waits for the members' restarts
             # Still listed: the members have not yet entered a step without this process's
             # previous life (they will at their next step, once they saw it die). Or a spare
-            # before the members started.
+            # before the members started. Or they entered one with this life, on an answer it
+            # never got (jaxft.core.coldstart): it enters with them.
+            if running is not None and (entry := coldstart.adopted_entry(self.process_id)) is not None:
+                logger.warning("process %d: the members entered a step with it on an answer it never got; "
+                               "entering with them", self.process_id)
+                return coldstart_core.Adopt(entry)
             if time.monotonic() - since > self.timeouts.admission:
                 what = ("found no running members" if running is None
                         else "found the running members still listing its previous life")
@@ -292,3 +322,4 @@ class Joining:
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
+

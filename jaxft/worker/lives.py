@@ -27,11 +27,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from typing import Any
 
 from jaxft import protocol
 
 PREFIX = "jaxft/life/"
+_IMPORTED_AT = time.time()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +83,25 @@ def over(life: Life | None, incarnation: int, state_dir: str | None = None) -> s
     if life is None:
         return None
     if life.incarnation != incarnation:
+        if (state_dir and life.launch is not None and protocol.death_recorded(state_dir, life.process, life.launch)
+                and protocol.life_marked(state_dir, protocol.CONNECTED, life.process, life.launch + 1)):
+            # the record's own life died and a later one connected: the map may name that one,
+            # named in an answer before it registered (jaxft.core.coldstart); nothing known here
+            return None
         return f"process {life.process} restarted (a new life registered; the one in this member map is over)"
     if state_dir and life.launch is not None and protocol.death_recorded(state_dir, life.process, life.launch):
         return f"the launcher recorded process {life.process}'s exit"
     return None
+
+
+def process_started_at() -> float:
+    """When this OS process started (epoch seconds; Linux ``/proc``, to ~10 ms after the boot
+    time's second), else when this module was first imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED_AT

@@ -250,7 +250,7 @@ class ElasticGroup:
             # every member got the same entry answer: each tells joiners who runs, with its own
             # heartbeat (one write per member when the members change, none in steady state)
             self._published = tuple(sorted(entry))
-            admission_lib.publish_members(self._published, self.process_id)
+            admission_lib.publish_members(entry, self.process_id)
         self._joining.check_entry(entry)  # (until its first commit)
         self._step.entered(entry)  # (nothing committed until it exits)
         self._deaths.saw(entry)

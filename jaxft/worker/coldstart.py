@@ -1,0 +1,92 @@
+"""The I/O of :mod:`jaxft.core.coldstart`: the records a cold start's processes write, and the
+watch a process waiting in its first liveness query keeps on them.
+
+* ``jaxft/members/<writer>`` (:func:`jaxft.worker.admission.publish_members`): the member set
+  each member entered a step with, and their lives;
+* ``jaxft/cold/<writer>`` (:func:`publish_confirm`): the set a cold start's process confirms
+  after an answer that left a process out, written before it asks.
+
+:class:`ColdStartWatch` is the ``give_up`` of that first query (checked while it waits): it
+reads both directories every :data:`POLL_S` and keeps what the records say in :attr:`move`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Collection, Sequence
+
+from jaxft.core import coldstart
+from jaxft.worker import kv, lives
+from jaxft.worker.admission import MEMBERS_KEY
+
+CONFIRM_PREFIX = "jaxft/cold/"
+POLL_S = 0.25
+
+
+def publish_confirm(pids: Sequence[int], writer: int) -> None:
+    """Say that ``writer``, in a cold start, now confirms the set ``pids`` (before it asks)."""
+    value = json.dumps({"pids": sorted(int(p) for p in pids), "time": time.time()})
+    kv.client().key_value_set(f"{CONFIRM_PREFIX}{writer}", value, allow_overwrite=True)
+
+
+def _records(prefix: str) -> dict[str, str]:
+    try:
+        return dict(kv.client().key_value_dir_get(prefix))
+    except Exception:  # noqa: BLE001 - NOT_FOUND on some versions: none
+        return {}
+
+
+def _parse(key: str, value: str) -> coldstart.Record:
+    r = json.loads(value)
+    lives = r.get("lives")
+    return coldstart.Record(writer=int(key.rsplit("/", 1)[-1]), pids=tuple(r["pids"]), time=float(r["time"]),
+                            lives=None if lives is None else {int(p): int(i) for p, i in lives.items()})
+
+
+class ColdStartWatch:
+    """A cold start's first liveness query's ``give_up()``: True once the others' records say
+    this process is stranded there (:func:`jaxft.core.coldstart.stranded`; the decision in
+    :attr:`move`). ``asking()``: the set this process waits in now. A record counts if it was
+    written or changed since the query began, or written after ``since`` (this life's start:
+    a restart that took itself for part of a cold start after the others started without it)."""
+
+    def __init__(self, process_id: int, cold: Collection[int], asking: Callable[[], Sequence[int]],
+                 since: float | None = None):
+        self.process_id, self.cold, self.asking, self.since = process_id, sorted(cold), asking, since
+        self.incarnation = own_incarnation(process_id)
+        self.move: coldstart.Joined | coldstart.Adopt | coldstart.Switch | None = None
+        self._members_prefix = f"{MEMBERS_KEY}/"
+        # only records written or changed since this query began count
+        self._before = {**_records(self._members_prefix), **_records(CONFIRM_PREFIX)}
+        self._last = time.monotonic()
+
+    def __call__(self) -> bool:
+        if time.monotonic() - self._last < POLL_S:
+            return False
+        self._last = time.monotonic()
+        members, confirming = self._new(self._members_prefix), self._new(CONFIRM_PREFIX)
+        confirming = [r for r in confirming if r.writer != self.process_id]
+        self.move = coldstart.stranded(self.process_id, self.incarnation, self.asking(), self.cold, members,
+                                       confirming)
+        return self.move is not None
+
+    def _new(self, prefix: str) -> list[coldstart.Record]:
+        records = [(k, v, _parse(k, v)) for k, v in _records(prefix).items()]
+        return [r for k, v, r in records
+                if self._before.get(k) != v or (self.since is not None and r.time > self.since)]
+
+
+def own_incarnation(process_id: int) -> int | None:
+    """This life's service incarnation, as it registered itself (:func:`jaxft.worker.lives.register`,
+    before its first liveness query); None if it has not."""
+    life = lives.current(kv.client(), process_id)
+    return None if life is None else life.incarnation
+
+
+def adopted_entry(process_id: int) -> dict[int, int] | None:
+    """The members' entry if their newest members record names this life
+    (:func:`jaxft.core.coldstart.adoptable`): they wait for it in a step it never entered."""
+    records = [_parse(k, v) for k, v in _records(f"{MEMBERS_KEY}/").items()]
+    newest = max(records, key=lambda r: r.time) if records else None
+    return coldstart.adoptable(process_id, own_incarnation(process_id), newest)
