@@ -21,7 +21,7 @@ import collections
 import math
 
 WARMUP_STEPS = 16  # steps measured (each committed alone) before any batching
-WINDOW = 64  # the recent steps and queries the medians are taken over
+WINDOW = 64  # the recent steps (their mean period) and commit queries (their median) measured
 MAX_STEPS = 16  # at most this many steps under one query
 MAX_UNDO_S = 0.5  # at most this much training time undone by a failure
 MIN_SHARE = 0.02  # batch only where one query costs at least this share of a step

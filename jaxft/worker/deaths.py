@@ -368,4 +368,3 @@ def _ask(query: Callable[[list[int]], Mapping[Any, Any]], pids: Sequence[int]) -
     whose last query returned (:class:`_QueryThread`)."""
     pids = list(pids)
     return _QueryThread.submit(lambda: query(pids))
-

@@ -322,4 +322,3 @@ class Joining:
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
-
