@@ -81,10 +81,10 @@ def _add_launch(sub) -> None:
                    help="start a restarted worker N nicer and give it its priority back as it joins the step, "
                    "where that can be undone (root or RLIMIT_NICE); 0: off (default: 19 with --spares, where a "
                    "restart becomes a spare that nobody waits for; else 0)")
-    p.add_argument("--early-connect", action="store_true",
+    p.add_argument("--early-connect", action=argparse.BooleanOptionalAction, default=True,
                    help="one node: a restart connects once every member dropped its previous life, not "
-                        "heartbeat + 1.5 s after its death (restarts back ~3.5 s sooner; experimental: two "
-                        "soak seeds hung with it)")
+                        "heartbeat + 1.5 s after its death (restarts back ~3.5 s sooner; default on; "
+                        "--no-early-connect: always wait out the heartbeat)")
     p.add_argument("--spares", type=int, default=0, metavar="K",
                    help="hot spares: K workers more per node, set up and compiled but out of the steps until "
                         "a member dies; one then takes its place before the next commit (default 0)")

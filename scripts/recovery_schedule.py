@@ -30,11 +30,11 @@ from jaxft.supervisor.report import first_commits
 
 
 def run(base: str, name: str, steps: int, admission: str, faults: list[str], reduction: str,
-        precompile: int = 0, pipeline: bool = False, commit_every: int | str = "auto", early_connect: bool = False,
+        precompile: int = 0, pipeline: bool = False, commit_every: int | str = "auto", early_connect: bool = True,
         spares: int = 0, nice_restarts: int | None = None) -> dict:
     run_dir = os.path.join(base, name)
     cmd = [sys.executable, "-m", "jaxft.cli", "launch", "-n", "4", "--run-dir", run_dir, "--restart", "on-failure",
-           "--heartbeat-timeout", "3", "--max-restarts", "50", *(["--early-connect"] if early_connect else []),
+           "--heartbeat-timeout", "3", "--max-restarts", "50", *([] if early_connect else ["--no-early-connect"]),
            "--spares", str(spares), *([] if nice_restarts is None else ["--nice-restarts", str(nice_restarts)])]
     for f in faults:
         cmd += ["--fault", f]
@@ -121,7 +121,8 @@ def main() -> None:
                     help="2: the fault-free run before and after the faulty one, goodput against their mean")
     ap.add_argument("--pipeline", action="store_true", help="mlp --pipeline (jaxft.ElasticLoop) in every run")
     ap.add_argument("--commit-every", default="auto", help="mlp --commit_every (jaxft.ElasticLoop) in every run")
-    ap.add_argument("--early-connect", action="store_true", help="jaxft launch --early-connect in every run")
+    ap.add_argument("--early-connect", action=argparse.BooleanOptionalAction, default=True,
+                    help="jaxft launch --early-connect (its default) or --no-early-connect in every run")
     ap.add_argument("--spares", type=int, default=0, help="jaxft launch --spares in the faulty run")
     ap.add_argument("--nice-restarts", type=int, default=None,
                     help="jaxft launch --nice-restarts in the faulty run (default: jaxft launch's)")

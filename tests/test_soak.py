@@ -6,7 +6,7 @@ equal the fault-free run's leaf by leaf, to the bit (the exact reduction), and n
 left running.
 
 `-m soak` (deselected by default). `JAXFT_SOAK_SEEDS=1,2,3` picks the seeds; each seed is
-printed, so a failure can be replayed with it. `JAXFT_SOAK_LAUNCH="--early-connect"` adds
+printed, so a failure can be replayed with it. `JAXFT_SOAK_LAUNCH="--no-early-connect"` adds
 options to every faulty run's `jaxft launch`.
 """
 

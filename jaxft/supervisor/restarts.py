@@ -67,7 +67,7 @@ class RestartPolicy:
       nice_restarts: a restarted worker sets up this much nicer, until it joins (:mod:`jaxft.priority`).
       early_connect: on one node, a restart connects once every member dropped its previous
         life (:func:`jaxft.protocol.restart_may_connect`) instead of after the heartbeat
-        timeout + 1.5 s; opt-in (two soak seeds hung with it, see docs/design.md).
+        timeout + 1.5 s (default on; several nodes always wait, see docs/design.md).
       hung_after_s: a SIGSTOPped worker counts as dead after this (None: twice ``Timeouts.heartbeat``).
     """
 
@@ -76,7 +76,7 @@ class RestartPolicy:
     delay_s: float = 0.0
     max_setup_crashes: int = crashloop.DEFAULT_LIMIT
     nice_restarts: int = 0
-    early_connect: bool = False
+    early_connect: bool = True
     hung_after_s: float | None = None
 
     def validate(self) -> None:
