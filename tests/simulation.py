@@ -15,7 +15,9 @@ worker does with I/O is modelled here as events the scheduler delivers in any or
 * a step's program (its collectives), which completes when every member of its set entered the
   same program, fails for the others when a member of it is recorded dead, and fails on its
   collective timeout only when nothing else can move (a bounded wait);
-* restarts: a dead process comes back, says it is ready, and is admitted by the members' votes.
+* restarts: a dead process comes back (once the service declared its previous life dead, or,
+  a kill its launcher saw, once every member alive at the death dropped that life: the early
+  connect), says it is ready, and is admitted by the members' votes.
 
 Invariants, checked on every schedule:
 
@@ -50,6 +52,9 @@ class Options:
     retire: bool = True  # the launcher gives a dead process a new incarnation before it records the death
     confirm: bool = True  # an answer naming a changed life is confirmed by one more query
     votes: bool = True  # a step's program carries each member's step: mixed steps fail everywhere
+    # a restart connects once every member alive at the death dropped the dead life (a final
+    # answer without it), not only once the service declared it dead (jaxft launch --early-connect)
+    early_connect: bool = True
 
 
 class Violation(AssertionError):
@@ -129,7 +134,9 @@ class Simulation:
         self.admissions: dict[int, tuple[tuple[int, ...], dict[int, int]]] = {}
         self.checkpoint = (0, INITIAL)  # the newest committed (step, state): a checkpoint every step
         self.published = False  # a member entered a step: a restart finds the member list and asks to join
-        self.admitted_at: dict[int, int] = {}  # member -> when it last admitted joiners (the clock)
+        self.dropped: set[tuple[int, int, int]] = set()  # (process, life, member that dropped that life)
+        self.witnesses: dict[int, tuple[int, dict[int, int]]] = {}  # killed -> (its life, {other: its life})
+        self.admitted: dict[int, dict[int, int]] = {}  # member -> the joiners it last admitted, with their lives
         self.clock = 0  # events so far
         self.watchdog_exits = 0  # waits that only a bound ended (Timeouts.barrier, admission)
         self.speed = [self.rng.choice([0.05, 1.0, 1.0]) for _ in range(n)]  # a late member is slow to move
@@ -201,7 +208,7 @@ class Simulation:
                 joiners = sorted(ticket.ready - set(entry))  # type: ignore[attr-defined]
                 if joiners and proc.step < self.target:  # (nobody is admitted after the last step)
                     ms.admit(joiners)
-                    self.admitted_at[proc.pid] = self.clock
+                    self.admitted[proc.pid] = {j: self.service.incarnation[j] for j in joiners}
                     for j in joiners:
                         self.admissions[j] = (tuple(sorted(set(exit_answer) | set(joiners))), dict(entry))
             elif desync:
@@ -232,6 +239,9 @@ class Simulation:
                         q = self._reuse(proc, asked, expect) or self._ask(proc, asked)
             move = liveness.on_answer(asked, q.answer, lives)
             if isinstance(move, liveness.Done):
+                for p, life in (lives or {}).items():  # (protocol.mark_dropped)
+                    if move.answer.get(p) != life:
+                        self.dropped.add((p, life, proc.pid))
                 for p, life in move.answer.items():
                     proc.seen.setdefault(p, set()).add(life)
                 return dict(move.answer)
@@ -241,8 +251,8 @@ class Simulation:
         left = proc.left.pop(asked, None)
         if left is None:
             return None
-        before = left.answer is not None and left.answered_at < self.admitted_at.get(proc.pid, -1)
-        if liveness.reuse_left_query(left.answer is not None, left.answer, expect, proc.seen, before):
+        lives = self.admitted.get(proc.pid, {})
+        if liveness.reuse_left_query(left.answer is not None, left.answer, {j: lives.get(j, -1) for j in expect}):
             return left
         return None
 
@@ -301,11 +311,22 @@ class Simulation:
         for p in self.procs:
             if not p.alive and p.pid in self.service.alive and not any(e[1] == p.pid for e in self.pending_launcher):
                 acts.append(("heartbeat", p.pid))  # the service notices the death (or the retired life's)
-            # a restart connects once the service declared its previous life dead (the forget wait)
+            # a restart connects once the service declared its previous life dead (the forget wait),
+            # or once the members dropped it (the early connect)
             launching = any(e[1] == p.pid for e in self.pending_launcher)
-            if not p.alive and p.pid not in self.service.alive and not launching and not self._over():
+            forgotten = p.pid not in self.service.alive or self._may_connect(p.pid)
+            if not p.alive and forgotten and not launching and not self._over():
                 acts.append(("restart", p.pid))
         return acts
+
+    def _may_connect(self, pid: int) -> bool:
+        """The early connect (:func:`jaxft.protocol.restart_may_connect`): every process alive
+        at ``pid``'s death (a kill its launcher saw) dropped the dead life since, or died itself."""
+        if not self.options.early_connect or pid not in self.witnesses:
+            return False
+        life, others = self.witnesses[pid]
+        return all((pid, life, w) in self.dropped or not self.procs[w].alive or self.procs[w].life != w_life
+                   for w, w_life in others.items())
 
     def _over(self) -> bool:
         return any(p.done for p in self.procs)
@@ -320,7 +341,9 @@ class Simulation:
         self.kills_left -= 1
         self.ready.discard(pid)
         self.admissions.pop(pid, None)
-        if seen_by_launcher and self.options.retire:
+        self.witnesses.pop(pid, None)
+        if seen_by_launcher and self.options.retire:  # (the launcher lets a restart connect early only then)
+            self.witnesses[pid] = (life, {q.pid: q.life for q in self.procs if q.alive and q.pid != pid})
             self.pending_launcher.append(("retire", pid, life))
         if seen_by_launcher:
             self.pending_launcher.append(("record", pid, life))

@@ -15,7 +15,7 @@ FIGURES = Path(os.environ.get("JAXFT_TEST_FIGURES_HANG", "/tmp/jaxft-hang-figure
 
 @pytest.mark.parametrize("phase,steps,step_sleep,flags", [
     # the default deadline, no flag: a ~50 ms step, hung between steps (issue 40's acceptance run)
-    ("before-step", 400, "0.05", ("--restart-delay", "2")),
+    ("before-step", 250, "0.05", ("--restart-delay", "2")),
     pytest.param("after-grad", 40, "0.3", ("--restart-delay", "6", "--timeout", "step=4"), marks=pytest.mark.soak),
 ])
 def test_hung_worker_is_stopped_and_the_others_go_on(tmp_path, phase, steps, step_sleep, flags):

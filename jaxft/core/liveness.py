@@ -54,20 +54,24 @@ def on_deaths(asked: Collection[int], dead: Collection[int]) -> Ask | None:
     return Ask(tuple(sorted(p for p in asked if p not in gone)))
 
 
-def reuse_left_query(answered: bool, answer: Mapping[int, int] | None, expect: Collection[int],
-                     seen: Mapping[int, Collection[int]], answered_before_admission: bool) -> bool:
+def reuse_left_query(answered: bool, answer: Mapping[int, int] | None, admitted: Mapping[int, int]) -> bool:
     """Whether a member about to ask over a set must instead wait on the query over that same
-    set it left earlier (the service still counts it in there).
+    set it left earlier (the service still counts it in there). ``admitted``: the joiners
+    being admitted into the set, each with the life (service incarnation) it registered
+    before it said it was ready.
 
-    While that query is open, yes: the first ask of the joiners being admitted (``expect``)
-    would complete it, and leave a new query of the members waiting for them for ever. Once
-    answered, only if the answer came after the joiners were admitted and names a life of each
-    of them that this member has not seen before (``seen``: every life it saw per process):
-    an answer naming a life seen before, or one that came before the admission, is an old
-    query's, and taking it would leave this member one query out of step with the others.
+    While that query is open, yes: the first ask of the joiners would complete it, and leave a
+    new query of the members waiting for them for ever. Once answered, only if the answer
+    names each joiner with its admitted life: only that life's ask, made once a member had
+    admitted it, completes the query so. Another answer is an old one's (an earlier life of
+    the joiner, or the life the launcher's retirement registered), and taking it would leave
+    this member one query out of step with the others. The answer may well have come before
+    this member admitted the joiner itself: another member admitted it first, and the
+    joiner's first ask completed the query this member had left (it then asked anew and
+    waited for the others for ever: seen on issue 40's schedule, 2 of 5 runs).
     """
     if not answered:
         return True
-    if answered_before_admission or answer is None or not expect:
+    if answer is None or not admitted:
         return False
-    return all(p in answer and answer[p] not in seen.get(p, ()) for p in expect)
+    return all(answer.get(p) == life for p, life in admitted.items())

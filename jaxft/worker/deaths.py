@@ -28,7 +28,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from jaxft import protocol
@@ -52,7 +52,6 @@ class DeathWatch:
         # Queries left waiting for a dead process, by process set: the service keeps each one
         # open (this process counted in) until every live process of the set has asked.
         self._abandoned: dict[tuple[int, ...], concurrent.futures.Future] = {}
-        self.lives: dict[int, set[int]] = {}  # every incarnation seen per process
         self.asking: tuple[int, ...] = ()  # the set of the query asked last
         self._lock = threading.Lock()  # dead() is called from a Tripwire's thread too
         self._cache: dict[int, float] = {}
@@ -68,7 +67,6 @@ class DeathWatch:
         """Note when each life in ``live`` (process -> service incarnation) was first seen."""
         now = time.time()
         for p, inc in live.items():
-            self.lives.setdefault(p, set()).add(inc)
             known = self.since.get(p)
             if known is None or (known[0] is not None and known[0] != inc):
                 self.since[p] = (inc, now)
@@ -101,8 +99,8 @@ class DeathWatch:
         return {p for p in pids if p in rec and p in self.since and rec[p] > self.since[p][1]}
 
     def live_nodes(self, query: Callable[[list[int]], Mapping[Any, Any]], pids: Sequence[int],
-                   expect: Collection[int] = (), give_up: Callable[[], bool] | None = None,
-                   lives: Mapping[int, int] | None = None, since: float | None = None,
+                   admitted: Mapping[int, int] | None = None, give_up: Callable[[], bool] | None = None,
+                   lives: Mapping[int, int] | None = None,
                    on_confirm: Callable[[list[int]], None] | None = None) -> dict[int, int]:
         """``query(pids)`` (a ``get_live_nodes`` barrier), re-asked without any process the
         launcher records dead while waiting, until an answer names every process asked (with
@@ -124,12 +122,12 @@ class DeathWatch:
 
         An abandoned query stays open in the service, this process counted in, until every
         live process of its set has asked: if the dead process's next life joins a later
-        query over that same set (``expect``: the joiners being admitted), its first ask
-        would complete the old query alone and leave the members' new one waiting for it
-        for ever. So a query over a set with an abandoned one waits on that one instead
-        (the service counts this process in already), and takes its answer if the answer
-        came with the joiners in it, after ``since`` (when they were admitted: a late member
-        may have completed the old query long before, naming another life).
+        query over that same set (``admitted``: the joiners being admitted, with the life each
+        registered), its first ask would complete the old query alone and leave the members'
+        new one waiting for it for ever. So a query over a set with an abandoned one waits on
+        that one instead (the service counts this process in already), and takes its answer if
+        it names each joiner with its admitted life (:func:`jaxft.core.liveness.reuse_left_query`:
+        possibly before this member admitted it; another answer is an older query's).
 
         A final answer without a life of ``lives`` is marked (:func:`jaxft.protocol.mark_dropped`):
         once every member marked it, the restart of that process connects (see
@@ -141,7 +139,7 @@ class DeathWatch:
         """
         pids = sorted(pids)
         while True:
-            answer = self._ask_once(query, pids, expect, give_up, since)
+            answer = self._ask_once(query, pids, admitted or {}, give_up)
             asked = answer.pop(_ASKED)
             move = liveness.on_answer(asked, answer, lives)
             if isinstance(move, liveness.Done):
@@ -153,14 +151,14 @@ class DeathWatch:
             if on_confirm is not None:
                 on_confirm(pids)
 
-    def _ask_once(self, query, pids: list[int], expect: Collection[int],
-                  give_up: Callable[[], bool] | None, since: float | None = None) -> dict:
+    def _ask_once(self, query, pids: list[int], admitted: Mapping[int, int],
+                  give_up: Callable[[], bool] | None) -> dict:
         """One answer, re-asking without dead processes; the answer carries the set last asked."""
         if not self.state_dir and give_up is None:
             return {**{int(p): int(i) for p, i in query(pids).items()}, _ASKED: pids}
         while True:
             self.asking = tuple(pids)
-            future = self._reuse(tuple(pids), expect, since) or _ask(query, pids)
+            future = self._reuse(tuple(pids), admitted) or _ask(query, pids)
             again: liveness.Ask | None = None
             while True:
                 try:
@@ -180,13 +178,11 @@ class DeathWatch:
             pids = list(again.pids)
 
     def _abandon(self, key: tuple[int, ...], future: concurrent.futures.Future) -> None:
-        """Leave ``future``'s query (still open in the service, this process counted in); note
-        when it completes, for :meth:`_reuse`."""
-        future.add_done_callback(lambda f: setattr(f, "done_at", time.monotonic()))
+        """Leave ``future``'s query (still open in the service, this process counted in), for
+        :meth:`_reuse`."""
         self._abandoned[key] = future
 
-    def _reuse(self, key: tuple[int, ...], expect: Collection[int],
-               since: float | None = None) -> concurrent.futures.Future | None:
+    def _reuse(self, key: tuple[int, ...], admitted: Mapping[int, int]) -> concurrent.futures.Future | None:
         """The query over ``key`` this process left earlier, if it must wait on that one instead
         of asking anew (:func:`jaxft.core.liveness.reuse_left_query`)."""
         future = self._abandoned.pop(key, None)
@@ -198,10 +194,7 @@ class DeathWatch:
                 answer = {int(p): int(i) for p, i in future.result().items()}
             except Exception:  # noqa: BLE001 - a failed old query: ask again
                 return None
-        before = future.done() and since is not None and getattr(future, "done_at", since) < since
-        if liveness.reuse_left_query(future.done(), answer, expect, self.lives, before):
-            return future
-        return None
+        return future if liveness.reuse_left_query(future.done(), answer, admitted) else None
 
 
 class Tripwire:

@@ -71,7 +71,7 @@ class Joining:
         self._after_announce: list[Callable[[tuple[int, ...]], None]] = []
         self._on_cold_start: list[Callable[[], None]] = []
         self._admitted_by: dict[int, int] = {}  # the members (process -> incarnation) that admitted this process
-        self._admitted_at: float | None = None  # when the joiners being admitted were admitted
+        self._admitted: dict[int, int] = {}  # the joiners being admitted -> the life each registered
         self._watcher: admission_lib.ReadyWatcher | None = None
 
     # -- hooks ------------------------------------------------------------------------
@@ -105,7 +105,7 @@ class Joining:
         switch: tuple[int, ...] | None = None  # the set a stranded cold start's process asks instead
         while True:
             give_up: coldstart.ColdStartWatch | None = None
-            expect: frozenset[int] = frozenset()
+            admitted: dict[int, int] = {}
             lives: Mapping[int, int] | None = None
             confirm = None
             if switch is not None:
@@ -136,11 +136,12 @@ class Joining:
                 # admitted: a member's state will replace what the put-off hooks would set up; they
                 # are kept until this life's first commit, for the case the members die first
             else:
-                pids, expect, lives = list(plan.pids), plan.expect, plan.lives
+                pids, lives = list(plan.pids), plan.lives
+                admitted = {p: self._admitted.get(p, -1) for p in plan.expect}  # (-1: not read)
             try:
                 with self._watch("entering a step"):
-                    return deaths.live_nodes(client.get_live_nodes, pids, expect=expect, give_up=give_up,
-                                             since=self._admitted_at, lives=lives, on_confirm=confirm)
+                    return deaths.live_nodes(client.get_live_nodes, pids, admitted=admitted, give_up=give_up,
+                                             lives=lives, on_confirm=confirm)
             except deaths_lib.GaveUp:
                 move = give_up.move if give_up is not None else None
                 if isinstance(move, coldstart_core.Adopt):
@@ -291,7 +292,7 @@ class Joining:
                 deaths: deaths_lib.DeathWatch | None) -> None:
         """``joiners``, agreed by every member, enter at the next step (with ``process_ids``)."""
         self.step.admit(joiners)
-        self._admitted_at = time.monotonic()
+        self._admitted = _registered_lives(joiners)
         if deaths is not None:
             # a joiner is a new life (it connected >= RESTART_GAP_S after any earlier death
             # of its process id): earlier death records must not count against it
@@ -322,3 +323,17 @@ class Joining:
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
+
+
+def _registered_lives(pids: Sequence[int]) -> dict[int, int]:
+    """The life (service incarnation) each of ``pids`` registered (:func:`jaxft.worker.lives.register`,
+    done before a joiner says it is ready); -1 where none can be read."""
+    client = kv.client()
+    out = {}
+    for p in pids:
+        try:
+            life = lives_lib.current(client, p)
+        except Exception:  # noqa: BLE001 - unread: the left query's answer is not taken (asked anew)
+            life = None
+        out[p] = life.incarnation if life is not None else -1
+    return out
