@@ -55,6 +55,9 @@ class Options:
     # a restart connects once every member alive at the death dropped the dead life (a final
     # answer without it), not only once the service declared it dead (jaxft launch --early-connect)
     early_connect: bool = True
+    # a member waiting in a query re-asks without a process whose registered life is newer than
+    # the one it expects (a restart that connected after the service declared the old one dead)
+    restarted: bool = True
 
 
 class Violation(AssertionError):
@@ -96,6 +99,7 @@ class _Proc:
     def __init__(self, sim: Simulation, pid: int):
         self.sim, self.pid = sim, pid
         self.life = 0  # the launcher's incarnation of it
+        self.registered = 1000 + pid  # the service incarnation its current life registered (lives.register)
         self.alive = True
         self.gen: Generator | None = None
         self.waiting: Any = None  # the request it waits on
@@ -171,7 +175,10 @@ class Simulation:
             elif first:  # a cold start: every process forms the first member set
                 entry = yield from self.live_nodes(proc, tuple(range(self.n)), known=proc.known_at_start)
             else:
-                entry = yield from self.live_nodes(proc, plan.pids, known=last_entry, expect=plan.expect,
+                # (a joiner's death after its admission counts too: DeathWatch.assume_alive_since)
+                admitted = {j: life for j, life in self.admitted.get(proc.pid, {}).items() if j in plan.expect}
+                entry = yield from self.live_nodes(proc, plan.pids, known={**last_entry, **admitted},
+                                                   expect=plan.expect,
                                                    lives=dict(plan.lives) if self.options.confirm else None)
             first = False
             if ms.joining and restore_put_off and not any(entry.get(p) == life for p, life in admitted_by.items()):
@@ -208,7 +215,7 @@ class Simulation:
                 joiners = sorted(ticket.ready - set(entry))  # type: ignore[attr-defined]
                 if joiners and proc.step < self.target:  # (nobody is admitted after the last step)
                     ms.admit(joiners)
-                    self.admitted[proc.pid] = {j: self.service.incarnation[j] for j in joiners}
+                    self.admitted[proc.pid] = {j: self.procs[j].registered for j in joiners}
                     for j in joiners:
                         self.admissions[j] = (tuple(sorted(set(exit_answer) | set(joiners))), dict(entry))
             elif desync:
@@ -269,7 +276,11 @@ class Simulation:
         return q
 
     def _recorded(self, pids: tuple[int, ...], known: dict[int, int]) -> list[int]:
-        return [p for p in pids if (p, known.get(p, -1)) in self.records]
+        """The processes of ``pids`` whose known life is over: recorded dead by its launcher, or
+        replaced by a newer registered life (a restart: :func:`jaxft.worker.lives.over`)."""
+        return [p for p in pids if (p, known.get(p, -1)) in self.records
+                or (self.options.restarted and p in known and self.procs[p].alive
+                    and self.procs[p].registered != known[p])]
 
     def _commit(self, proc: _Proc, entry: dict[int, int], new: str) -> None:
         step = proc.step
@@ -359,6 +370,7 @@ class Simulation:
         p = self.procs[pid]
         p.life += 1
         self.service.new_life(pid)
+        p.registered = self.service.incarnation[pid]
         self.log.append(f"restart {pid}")
         self._resume_new(p, joiner=self.published)
 

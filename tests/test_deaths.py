@@ -8,6 +8,7 @@ import pytest
 
 from jaxft import protocol
 from jaxft.worker import deaths, dirwatch
+from jaxft.worker import lives as lives_lib
 
 
 @pytest.fixture(params=["inotify", "polling"])
@@ -180,6 +181,34 @@ def test_a_member_late_to_an_admission_takes_the_left_query_the_joiner_completed
         raise AssertionError(f"asked afresh over {pids}: the others never ask that query again")
 
     assert w.live_nodes(query, [0, 1, 2, 3], admitted={1: 21}) == {0: 10, 1: 21, 2: 12, 3: 13}
+
+
+def test_a_member_stops_waiting_for_a_process_that_registered_a_newer_life(tmp_path, monkeypatch):
+    # Process 1 died where no launcher saw it (another node); the service declared it dead and
+    # its restart connected: the service counts the new life in any query over process 1 from
+    # then on, and it asks none until it is admitted. A member whose exit query expects 1's
+    # old life reads the registered lives and asks again without 1, instead of waiting until
+    # its barrier timeout.
+    w = deaths.DeathWatch(str(tmp_path))
+    w.LIVES_CHECK_S = 0.05
+    registered = {0: lives_lib.Life(0, 10, "a", 0), 1: lives_lib.Life(1, 21, "b", 1), 2: lives_lib.Life(2, 12, "c", 0)}
+    monkeypatch.setattr(deaths.lives_lib, "all_current", lambda client=None: registered)
+    assert w.restarted([0, 1, 2], {0: 10, 1: 11, 2: 12}) == {1}
+    assert w.restarted([0, 1, 2], {0: 10, 1: 21, 2: 12}) == set()  # (the life expected is the registered one)
+    asked, release = [], threading.Event()
+
+    def query(pids):
+        asked.append(list(pids))
+        if 1 in pids:  # answered only once the new life of 1 asks: never, here
+            release.wait(10)
+            raise TimeoutError("released")
+        return {0: 10, 2: 12}
+
+    try:
+        assert w.live_nodes(query, [0, 1, 2], lives={0: 10, 1: 11, 2: 12}) == {0: 10, 2: 12}
+        assert asked == [[0, 1, 2], [0, 2]]
+    finally:
+        release.set()
 
 
 def test_a_tripwire_fires_once_per_arming_for_a_member_recorded_dead(tmp_path, wakeups):

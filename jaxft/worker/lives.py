@@ -67,7 +67,28 @@ def current(client: Any, process: int) -> Life | None:
     """The newest registered life of ``process`` (None if none registered)."""
     from jaxft.worker import kv  # (kv imports this module)
 
-    value = kv.try_get(f"{PREFIX}{process}", client)
+    return _parse(process, kv.try_get(f"{PREFIX}{process}", client))
+
+
+def all_current(client: Any | None = None) -> dict[int, Life]:
+    """The newest registered life of every process that registered one (one read; empty when
+    the service cannot be reached)."""
+    from jaxft.worker import kv
+
+    try:
+        entries = (client if client is not None else kv.client()).key_value_dir_get(PREFIX)
+    except Exception:  # noqa: BLE001 - the service is gone, or not started: nothing known
+        return {}
+    out = {}
+    for key, value in entries:
+        name = key.rstrip("/").rsplit("/", 1)[-1]
+        life = _parse(int(name), value) if name.isdigit() else None
+        if life is not None:
+            out[life.process] = life
+    return out
+
+
+def _parse(process: int, value: str | None) -> Life | None:
     if not value:
         return None
     try:
