@@ -31,9 +31,10 @@ def own_votes(step: int, target: int | None, *, pipeline: bool, next_quiet: bool
     catching up in an earlier ``run()`` ends there, and makes every member commit, admit
     nobody and start nothing early at that step, as they all would at their own last step.
     ``batch_full``: with ``commit_every="auto"`` (:mod:`jaxft.core.batching`), whether this
-    member's own batch is full with this step (None: the fixed ``commit_every``); an auto batch
-    also ends before a step at which a fault rule of this member may fire, so the rules land
-    where they would without batching.
+    member's own batch is full with this step (None: the fixed ``commit_every``), which the
+    caller also sets at a step at which a fault rule of this member may fire; an auto batch
+    also ends before such a step, so the rules land where they would without batching (an
+    ``in-commit`` or ``after-commit`` rule needs its step's own commit).
     """
     ends = target is not None and step + 1 >= target
     open_ended = target is None or ends  # a step starts early or defers only when the run's end is known

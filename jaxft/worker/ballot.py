@@ -56,8 +56,9 @@ class Ballot:
         last step."""
         admission = self._hold_if_left(self.group.votes(m), m, step)
         o, full = self.options, None
-        if o.auto_commit:
-            full = self.batcher.commit_now(self.pending(), time.monotonic()) or any(f(step + 1) for f in self.commit_at)
+        if o.auto_commit:  # (a step where a fault rule of this member may fire commits alone, as the one before)
+            full = (self.batcher.commit_now(self.pending(), time.monotonic())
+                    or any(f(step + 1) for f in self.commit_at) or not self.faults.quiet_at(step))
         own = step_core.own_votes(step, self.group.target, pipeline=o.pipeline,
                                   next_quiet=self.faults.quiet_at(step + 1),
                                   commit_every=1 if o.auto_commit else int(o.commit_every),

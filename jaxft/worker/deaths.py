@@ -153,7 +153,8 @@ class DeathWatch:
         """
         pids = sorted(pids)
         while True:
-            answer = self._ask_once(query, pids, admitted or {}, give_up, {**(lives or {}), **(admitted or {})})
+            known = {**(lives or {}), **{p: life for p, life in (admitted or {}).items() if life >= 0}}
+            answer = self._ask_once(query, pids, admitted or {}, give_up, known)
             asked = answer.pop(_ASKED)
             move = liveness.on_answer(asked, answer, lives)
             if isinstance(move, liveness.Done):

@@ -327,13 +327,7 @@ class Joining:
 
 def _registered_lives(pids: Sequence[int]) -> dict[int, int]:
     """The life (service incarnation) each of ``pids`` registered (:func:`jaxft.worker.lives.register`,
-    done before a joiner says it is ready); -1 where none can be read."""
-    client = kv.client()
-    out = {}
-    for p in pids:
-        try:
-            life = lives_lib.current(client, p)
-        except Exception:  # noqa: BLE001 - unread: the left query's answer is not taken (asked anew)
-            life = None
-        out[p] = life.incarnation if life is not None else -1
-    return out
+    done before a joiner says it is ready); -1 where none can be read (a left query's answer is
+    then not taken, it asks anew)."""
+    registered = lives_lib.all_current()
+    return {p: registered[p].incarnation if p in registered else -1 for p in pids}
