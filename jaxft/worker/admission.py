@@ -185,11 +185,7 @@ class Joiner:
         member's was watched before, and a joiner that came up while it died, the others
         stuck in a 60 s save barrier, took the run for gone and started a second copy of it
         from the checkpoint)."""
-        try:
-            entries = kv.client().key_value_dir_get(f"{MEMBERS_KEY}/")
-        except Exception:  # noqa: BLE001
-            return None, {}
-        records = [json.loads(v) for _, v in entries or ()]
+        records = [json.loads(v) for _, v in kv.try_dir_get(f"{MEMBERS_KEY}/")]
         if not records:
             return None, {}
         pids = max(records, key=lambda r: r["time"])["pids"]
@@ -200,10 +196,7 @@ class Joiner:
         """Say this process is ready (the key's value: when), and drop the keys earlier lives of
         this process left (they died waiting: none of them can be admitted)."""
         c = kv.client()
-        try:
-            stale = [k for k, _ in c.key_value_dir_get(f"{READY_PREFIX}{self.process_id}/") if k != self._ready_key]
-        except Exception:  # noqa: BLE001 - NOT_FOUND on some versions: none
-            stale = []
+        stale = [k for k, _ in kv.try_dir_get(f"{READY_PREFIX}{self.process_id}/", c) if k != self._ready_key]
         for key in stale:
             c.key_value_delete(key)
         c.key_value_set(self._ready_key, f"{time.time():.6f}", allow_overwrite=True)

@@ -31,10 +31,7 @@ def publish_confirm(pids: Sequence[int], writer: int) -> None:
 
 
 def _records(prefix: str) -> dict[str, str]:
-    try:
-        return dict(kv.client().key_value_dir_get(prefix))
-    except Exception:  # noqa: BLE001 - NOT_FOUND on some versions: none
-        return {}
+    return dict(kv.try_dir_get(prefix))
 
 
 def _parse(key: str, value: str) -> coldstart.Record:

@@ -190,10 +190,7 @@ class HangMonitor:
                 logger.debug("cannot clear the wait: %s", e)
 
     def _others_waiting(self) -> list[str]:
-        try:
-            entries = kv.client().key_value_dir_get(WAITING_PREFIX)
-        except Exception:  # noqa: BLE001 - NOT_FOUND or an unreachable service: nobody we know of
-            return []
+        entries = kv.try_dir_get(WAITING_PREFIX)  # (none: NOT_FOUND, or an unreachable service)
         mine = f"{WAITING_PREFIX}{self.process_id}"
         return [f"process {k.rsplit('/', 1)[-1]} ({v})" for k, v in entries if k.rstrip("/") != mine]
 

@@ -46,6 +46,15 @@ def try_get(key: str, c: Any | None = None) -> str | None:
         return None
 
 
+def try_dir_get(prefix: str, c: Any | None = None) -> list[tuple[str, str]]:
+    """The ``(key, value)`` pairs under ``prefix``, or none when there are none (NOT_FOUND on
+    some versions) or the service cannot be reached."""
+    try:
+        return list((c if c is not None else client()).key_value_dir_get(prefix) or ())
+    except Exception:  # noqa: BLE001
+        return []
+
+
 def propose(key: str, value: str, c: Any | None = None) -> str | None:
     """Write ``value`` at ``key`` unless a value is there already, and return the value that
     stands (the first proposal wins: every process that proposes reads the same one); None if

@@ -75,12 +75,8 @@ def all_current(client: Any | None = None) -> dict[int, Life]:
     the service cannot be reached)."""
     from jaxft.worker import kv
 
-    try:
-        entries = (client if client is not None else kv.client()).key_value_dir_get(PREFIX)
-    except Exception:  # noqa: BLE001 - the service is gone, or not started: nothing known
-        return {}
     out = {}
-    for key, value in entries:
+    for key, value in kv.try_dir_get(PREFIX, client):
         name = key.rstrip("/").rsplit("/", 1)[-1]
         life = _parse(int(name), value) if name.isdigit() else None
         if life is not None:

@@ -41,12 +41,8 @@ def end(index: int, step: int | None) -> None:
 
 def marks(client: Any | None = None) -> dict[int, str]:
     """``{run index: mark}`` of every run marked so far (empty if none, or unreachable)."""
-    try:
-        entries = (client or kv.client()).key_value_dir_get(PREFIX)
-    except Exception:  # noqa: BLE001 - NOT_FOUND on some versions, or the service is gone
-        return {}
     out: dict[int, str] = {}
-    for key, value in entries or ():
+    for key, value in kv.try_dir_get(PREFIX, client):
         name = key.rstrip("/").rsplit("/", 1)[-1]
         if name.isdigit():
             out[int(name)] = value
