@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 
 from jaxft.core import coldstart
-from jaxft.worker import kv, lives
+from jaxft.worker import kv
 from jaxft.worker.admission import MEMBERS_KEY
 
 CONFIRM_PREFIX = "jaxft/cold/"
@@ -48,10 +48,10 @@ class ColdStartWatch:
     written or changed since the query began, or written after ``since`` (this life's start:
     a restart that took itself for part of a cold start after the others started without it)."""
 
-    def __init__(self, process_id: int, cold: Collection[int], asking: Callable[[], Sequence[int]],
-                 since: float | None = None):
+    def __init__(self, process_id: int, incarnation: int | None, cold: Collection[int],
+                 asking: Callable[[], Sequence[int]], since: float | None = None):
         self.process_id, self.cold, self.asking, self.since = process_id, sorted(cold), asking, since
-        self.incarnation = own_incarnation(process_id)
+        self.incarnation = incarnation  # this life's, as it registered (None: unknown)
         self.move: coldstart.Joined | coldstart.Adopt | coldstart.Switch | None = None
         self._members_prefix = f"{MEMBERS_KEY}/"
         # only records written or changed since this query began count
@@ -74,16 +74,9 @@ class ColdStartWatch:
                 if self._before.get(k) != v or (self.since is not None and r.time > self.since)]
 
 
-def own_incarnation(process_id: int) -> int | None:
-    """This life's service incarnation, as it registered itself (:func:`jaxft.worker.lives.register`,
-    before its first liveness query); None if it has not."""
-    life = lives.current(kv.client(), process_id)
-    return None if life is None else life.incarnation
-
-
-def adopted_entry(process_id: int) -> dict[int, int] | None:
-    """The members' entry if their newest members record names this life
-    (:func:`jaxft.core.coldstart.adoptable`): they wait for it in a step it never entered."""
+def adopted_entry(process_id: int, incarnation: int | None) -> dict[int, int] | None:
+    """The members' entry if their newest members record names this life (``incarnation``,
+    :func:`jaxft.core.coldstart.adoptable`): they wait for it in a step it never entered."""
     records = [_parse(k, v) for k, v in _records(f"{MEMBERS_KEY}/").items()]
     newest = max(records, key=lambda r: r.time) if records else None
-    return coldstart.adoptable(process_id, own_incarnation(process_id), newest)
+    return coldstart.adoptable(process_id, incarnation, newest)

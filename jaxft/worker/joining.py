@@ -99,9 +99,10 @@ class Joining:
 
     # -- a joiner's way in ------------------------------------------------------------
     def entry_query(self, client, plan: commit_core.QueryEntry | commit_core.FirstStep,
-                    deaths: deaths_lib.DeathWatch) -> dict[int, int]:
+                    deaths: deaths_lib.DeathWatch, incarnation: int | None) -> dict[int, int]:
         """The step's entry liveness query over the members plus those admitted at the last
-        commit; on this process's first step over what :meth:`_join` says."""
+        commit; on this process's first step over what :meth:`_join` says (``incarnation``:
+        this life's, as it registered, :func:`jaxft.worker.lives.register`)."""
         switch: tuple[int, ...] | None = None  # the set a stranded cold start's process asks instead
         while True:
             give_up: coldstart.ColdStartWatch | None = None
@@ -111,7 +112,7 @@ class Joining:
             if switch is not None:
                 pids, switch = list(switch), None
             elif isinstance(plan, commit_core.FirstStep):
-                joined = self._join()
+                joined = self._join(incarnation)
                 if isinstance(joined, coldstart_core.Adopt):  # (the members' cold start: its set-up too)
                     priority.restore()
                     self._run_cold_start_hooks()
@@ -130,7 +131,7 @@ class Joining:
                     # without it meanwhile (it came up late, or is the restart of one that
                     # died in their first step), or took an answer naming it from a query an
                     # earlier life of it entered, this query would never be answered
-                    give_up = coldstart.ColdStartWatch(self.process_id, pids, lambda: deaths.asking,
+                    give_up = coldstart.ColdStartWatch(self.process_id, incarnation, pids, lambda: deaths.asking,
                                                       since=lives_lib.process_started_at())
                     confirm = functools.partial(coldstart.publish_confirm, writer=self.process_id)
                 # admitted: a member's state will replace what the put-off hooks would set up; they
@@ -183,7 +184,7 @@ class Joining:
             for hook in hooks:
                 hook()
 
-    def _join(self) -> tuple[list[int], float, bool] | coldstart_core.Adopt:
+    def _join(self, incarnation: int | None) -> tuple[list[int], float, bool] | coldstart_core.Adopt:
         """This process's first step: the barrier's process ids, when they were all alive, and
         whether this is a cold start (every process but the spares forms the first member set);
         when a run is going on, it waits to be admitted. A process that starts as a spare never
@@ -216,7 +217,7 @@ class Joining:
             # previous life (they will at their next step, once they saw it die). Or a spare
             # before the members started. Or they entered one with this life, on an answer it
             # never got (jaxft.core.coldstart): it enters with them.
-            if running is not None and (entry := coldstart.adopted_entry(self.process_id)) is not None:
+            if running is not None and (entry := coldstart.adopted_entry(self.process_id, incarnation)) is not None:
                 logger.warning("process %d: the members entered a step with it on an answer it never got; "
                                "entering with them", self.process_id)
                 return coldstart_core.Adopt(entry)

@@ -245,7 +245,7 @@ class ElasticGroup:
         if isinstance(plan, commit_core.UseCommitted):
             entry = dict(plan.entry)  # the last commit's live set: no round trip
         else:
-            entry = self._joining.entry_query(client, plan, self._deaths)
+            entry = self._joining.entry_query(client, plan, self._deaths, self.life.incarnation if self.life else None)
         if self._published != tuple(sorted(entry)):
             # every member got the same entry answer: each tells joiners who runs, with its own
             # heartbeat (one write per member when the members change, none in steady state)
