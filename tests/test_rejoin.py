@@ -1,7 +1,7 @@
 """Rejoin: restarted processes are rehydrated from a live peer; training returns to full width."""
 
 import pytest
-from helpers import EXACT, MLP, commits_by_step, finals, train
+from helpers import EXACT, MLP, REPO, commits_by_step, finals, train
 from helpers import by_event as of
 
 STEPS = 40
@@ -92,3 +92,21 @@ def test_ten_kill_restart_cycles(reference, tmp_path):
                           extra=["--max-restarts", "20"], timeout=600)
     assert proc.returncode == 0, proc.describe()
     check_run(events, reference, restarts=10)
+
+
+def test_a_backend_a_rebuild_replaced_is_freed_at_its_next_commit(tmp_path):
+    """A CPU backend a rebuild replaced is kept alive only by reference cycles (its client and
+    its devices refer to each other), and with it its gloo communicators: one whose peer died
+    can spin its event loop on a whole core. With Python's automatic collection off
+    (``--no_gc``), only jaxft's collection after the rebuild's commit frees it
+    (``jaxft.worker.dataplane``): those of the cold start's rebuild and of two admissions, each
+    with a rehydration (whose broadcast programs held the mesh of the backend the next rebuild
+    replaced, ``jaxft.worker.transfer.forget_programs``)."""
+    runs = str(REPO / "tests" / "workers" / "mlp_runs.py")
+    r, evts = train(tmp_path, runs, "--runs", "120", "--no_gc", "--step_sleep", "0.08", n=3,
+                    faults=["kill:process=2:step=8", "kill:process=1:step=60"], restart="on-failure", timeout=180)
+    assert r.returncode == 0, r.describe()
+    assert of(evts, "rehydrated", process=2) and of(evts, "rehydrated", process=1), r.describe()
+    f = finals(evts)
+    assert sorted((x["process"], x["step"]) for x in f) == [(0, 120), (1, 120), (2, 120)], f
+    assert [x["replaced_backends_alive"] for x in f] == [0, 0, 0], f

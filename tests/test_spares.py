@@ -109,6 +109,32 @@ KILL_2 = 85  # (0.14 s a step: ~10 s between process 1's death and the one its r
 
 
 @pytest.mark.smoke
+def test_a_spare_runs_the_checks_then_its_own_set_up_instead_of_a_joiners():
+    """Before it says it is ready, a spare cannot compile for a member set it does not know: it
+    runs the checks, then the hooks registered with ``spare`` (the loop's: name the shared
+    programs, which its first step after a swap otherwise did while the members waited,
+    ``Precompiler.as_spare``); any other joiner runs the checks and the other hooks."""
+    import contextlib
+
+    from jaxft.timeouts import Timeouts
+    from jaxft.worker.joining import Joining
+
+    class Hang:
+        busy = staticmethod(contextlib.nullcontext)
+
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    j = Joining(0, Timeouts(), Hang(), None, None, lambda: False, False)  # type: ignore[arg-type]
+    j.before_admission(lambda pids: calls.append(("compile", pids)))
+    j.before_admission(lambda pids: calls.append(("spare", pids)), spare=True)
+    j.before_admission(lambda pids: calls.append(("check", pids)), may_raise=True)
+    j.before_admission(lambda pids: calls.append(("ready", pids)), announced=True)
+    j._set_up((0, 1, 2), compile_ahead=False)  # a spare
+    assert calls == [("check", (0, 1, 2)), ("spare", (0, 1, 2))]
+    calls.clear()
+    j._set_up((0, 1), compile_ahead=True)  # a joiner the members wait for
+    assert calls == [("check", (0, 1)), ("compile", (0, 1))]
+
+
 def test_spares_take_the_places_of_killed_members_and_restarts_become_spares(tmp_path, one_process_exact):
     """Two members (0, 1) and a spare (2), 100 steps, exact reduction.
 
@@ -146,6 +172,9 @@ def test_spares_take_the_places_of_killed_members_and_restarts_become_spares(tmp
     assert not by_event(evts, "commit", process=2, incarnation=2), why
     assert [e.get("code") for e in by_event(evts, "exit", process=2, incarnation=2)] == [0], why
     assert {f["params_sha256"] for f in by_event(evts, "final")} == {one_process_exact(STEPS)}, why
+    # every backend a rebuild replaced was freed: one left alive keeps its gloo communicators,
+    # whose pair with a dead peer can spin a core (jaxft.worker.dataplane)
+    assert [f["replaced_backends_alive"] for f in by_event(evts, "final")] == [0, 0], why
 
 
 def test_a_spare_waiting_to_be_admitted_never_says_it_waits_on_a_member():

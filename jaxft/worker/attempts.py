@@ -116,4 +116,5 @@ def final_fields(loop: Any, params: PyTree | None) -> dict:
             **({"started_early": ex.pipeline.started_early, "left_early": ex.pipeline.left_early}
                if o.pipeline else {}),
             **({"deferred": loop.group.deferred, "rolled_back": loop.commits.rolled_back}
-               if o.batches else {})}
+               if o.batches else {}),
+            **({"replaced_backends_alive": dp.replaced_alive} if (dp := loop.group.data_plane).needs_reset else {})}

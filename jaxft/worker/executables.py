@@ -150,8 +150,7 @@ class Executables:
         """The loaded program for ``key``: from memory, from bytes (this process's or shared), or
         compiled now. The lock guards the tables only; a thread wanting a program another thread
         of this process is compiling waits for that compile."""
-        if self._fingerprint is None and self.reference is not None and self.directory is not None:
-            self._take_fingerprint(None)
+        self.name_shared()
         while True:
             exe = self._loaded.get(key)
             if exe is not None:
@@ -245,6 +244,12 @@ class Executables:
                 self._write(key, program)
             self._loaded[key] = exe
         return exe
+
+    def name_shared(self) -> None:
+        """Take the fingerprint that names the shared programs now, if it can (a reference
+        program and a directory) and has not yet; else the first :meth:`get` takes it."""
+        if self._fingerprint is None and self.reference is not None and self.directory is not None:
+            self._take_fingerprint(None)
 
     def _take_fingerprint(self, lowered: Any) -> None:
         """Name this process's shared programs: the hash of ``reference()`` (or, without one or

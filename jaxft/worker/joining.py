@@ -69,6 +69,7 @@ class Joining:
         self.width = len(spares_core.initial(spares, jax.process_count())) if spares else None
         self._before_announce: list[tuple[Callable[[tuple[int, ...]], None], bool]] = []
         self._after_announce: list[Callable[[tuple[int, ...]], None]] = []
+        self._as_spare: list[Callable[[tuple[int, ...]], None]] = []  # a spare's set-up instead of the others
         self._on_cold_start: list[Callable[[], None]] = []
         self._admitted_by: dict[int, int] = {}  # the members (process -> incarnation) that admitted this process
         self._admitted: dict[int, int] = {}  # the joiners being admitted -> the life each registered
@@ -76,9 +77,11 @@ class Joining:
 
     # -- hooks ------------------------------------------------------------------------
     def before_admission(self, hook: Callable[[tuple[int, ...]], None], may_raise: bool = False,
-                         announced: bool = False) -> None:
+                         announced: bool = False, spare: bool = False) -> None:
         """See :meth:`jaxft.ElasticGroup.before_admission`."""
-        if announced:
+        if spare:
+            self._as_spare.append(hook)
+        elif announced:
             self._after_announce.append(hook)
         elif may_raise:
             self._before_announce.insert(0, (hook, True))
@@ -258,14 +261,14 @@ class Joining:
     def _set_up(self, expected: tuple[int, ...], compile_ahead: bool = True) -> None:
         """The before-admission hooks, for the member set this process expects to enter
         (``compile_ahead`` False: a spare, whose member set is unknown until one dies, runs the
-        checks only; the members' warm-up compiled its programs, :mod:`jaxft.worker.warmup`)."""
+        checks, then the spare's own set-up; the members' warm-up compiled its programs,
+        :mod:`jaxft.worker.warmup`)."""
+        checks = [h for h, may_raise in self._before_announce if may_raise]
+        set_up = [h for h, may_raise in self._before_announce if not may_raise] if compile_ahead else self._as_spare
         with self.hang.busy():  # a compile may take a while; nobody waits for this process yet
-            for hook, may_raise in self._before_announce:
-                if may_raise:  # (a check: a joiner it refuses must never be admitted)
-                    hook(expected)
-                    continue
-                if not compile_ahead:
-                    continue
+            for hook in checks:  # (a joiner they refuse must never be admitted)
+                hook(expected)
+            for hook in set_up:
                 try:
                     hook(expected)
                 except Exception:

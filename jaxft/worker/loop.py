@@ -129,9 +129,11 @@ class ElasticLoop:
         self.sync = rejoin.StateSync(self.group, self.events, self.faults)
         self.group.on_reset(before=self.executor.drain)  # first: nothing may run under the rebuild
         self.group.on_reset(before=self._state_to_host, after=self.executor.programs.reset)
+        self.group.on_reset(before=transfer.forget_programs)  # (they hold the old backend's meshes)
         self.group.on_reset(before=lambda: self.faults.point("during-rebuild", self._in_step))
         self.group.before_admission(lambda pids: self.sync.check_before_admission(self.state), may_raise=True)
         self.group.before_admission(lambda pids: self.precompiler.before_admission(pids, self.step, self.state))
+        self.group.before_admission(lambda pids: self.precompiler.as_spare(pids, self.step), spare=True)
         self.group.before_admission(lambda pids: self.faults.point("ready", self.step), announced=True)
         self.group.on_exit_query(lambda: self.faults.point_soon("in-commit", self._in_step))
 
@@ -350,6 +352,7 @@ class ElasticLoop:
             self.events.log(Event.COMMIT, step=r.step, members=list(r.members), generation=r.generation, loss=r.loss)
         if m.reset:
             self.executor.log_rebuild(ran.step, ran.seconds)
+            self.group.data_plane.collect_replaced()
         if ran.verdict is not None:  # (held at a member's last step: nobody is admitted then)
             self.executor.admit(m, ran.verdict, ran.step + 1)
         self.sync.publish(m.process_ids, self.state)

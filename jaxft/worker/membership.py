@@ -124,12 +124,15 @@ class ElasticGroup:
         self.data_plane.on_reset(before, after)
 
     def before_admission(self, hook: Callable[[tuple[int, ...]], None], may_raise: bool = False,
-                         announced: bool = False) -> None:
+                         announced: bool = False, spare: bool = False) -> None:
         """Register ``hook(process_ids)``, run by a joiner (ready admission) with the member set it
         expects to enter, before it says it is ready (``announced``: right after): set-up there
         costs the members nothing. Errors are logged and ignored, unless ``may_raise`` (a check
-        that must stop the joiner before it is admitted; those run first)."""
-        self._joining.before_admission(hook, may_raise, announced)
+        that must stop the joiner before it is admitted; those run first). A joiner that waits as
+        a hot spare cannot know the member set it will enter (the members fill the width): it
+        runs the checks, then only the hooks registered with ``spare`` (given the running
+        members plus itself), which no other joiner runs."""
+        self._joining.before_admission(hook, may_raise, announced, spare)
 
     def on_cold_start(self, hook: Callable[[], None]) -> None:
         """Register ``hook()``, run once if this process's first step (ready admission) is a cold

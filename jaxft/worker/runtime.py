@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import gc
 import logging
 import math
 import os
@@ -162,6 +163,11 @@ def initialize(coordinator_address: str | None = None,
     Must be called before anything starts a JAX backend (``jax.devices()``, any
     computation): XLA reads its flags only once.
 
+    With several processes it ends with ``gc.freeze()``: what exists then (mostly the
+    imports) is left out of every later garbage collection, so that the full collection after
+    each CPU backend rebuild stays cheap (:mod:`jaxft.worker.dataplane`); garbage in reference
+    cycles made before the call is never reclaimed.
+
     Returns:
       A :class:`Runtime` with this worker's identity, event log and fault injector.
     """
@@ -259,6 +265,12 @@ def initialize(coordinator_address: str | None = None,
     faults = FaultInjector.from_env(process_id, on_fire=_fault_logger(events), environ=environ)
     timeouts_lib.set_current(timeouts)
     exits.install_stop_handlers()
+    if num_processes > 1:
+        # Out of every later collection (the imports, the connection; no backend exists yet):
+        # a full collection after each CPU backend rebuild then stays cheap (jaxft.worker.dataplane).
+        # Garbage in reference cycles made before now is never reclaimed.
+        gc.collect()
+        gc.freeze()
     return Runtime(placement=place, incarnation=incarnation, run_dir=run_dir, events=events, faults=faults,
                    timeouts=timeouts)
 

@@ -112,6 +112,12 @@ def _broadcaster(mesh: Mesh, axis_name: str, source: int):
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis_name), out_specs=P(axis_name)))
 
 
+def forget_programs() -> None:
+    """Before a backend rebuild: drop the broadcast programs kept per mesh (a mesh holds the
+    old backend's devices, and with them the whole backend)."""
+    _broadcaster.cache_clear()
+
+
 def _chunk_len(nbytes: int, chunk: int) -> int:
     """The length a chunk of ``nbytes`` travels as: full chunks as they are, a short last one
     rounded up to a power of two (>= 4 KiB), so a transfer compiles at most a few shapes."""

@@ -72,21 +72,23 @@ class Warmer:
         self._lock.release()
 
     def _run(self) -> None:
-        while True:
-            epoch, key, job = self._queue.get()
-            with self._lock:
-                if epoch != self._epoch:
-                    continue
-                t0 = time.monotonic()
-                try:
-                    job()
-                except Exception as e:  # noqa: BLE001 - the step compiles itself when needed
-                    logger.info("background compile of %s failed: %s", key, str(e).splitlines()[0][:200])
-                    continue
-                seconds = time.monotonic() - t0
-                logger.info("compiled %s in the background in %.2f s", key, seconds)
-                if self.on_done is not None:
-                    self.on_done(key, seconds)
+        while True:  # (one call per job: nothing of it stays referenced while the next is awaited,
+            self._one(*self._queue.get())  # e.g. a mesh of a backend a rebuild replaced)
+
+    def _one(self, epoch: int, key: object, job: Job) -> None:
+        with self._lock:
+            if epoch != self._epoch:
+                return
+            t0 = time.monotonic()
+            try:
+                job()
+            except Exception as e:  # noqa: BLE001 - the step compiles itself when needed
+                logger.info("background compile of %s failed: %s", key, str(e).splitlines()[0][:200])
+                return
+            seconds = time.monotonic() - t0
+            logger.info("compiled %s in the background in %.2f s", key, seconds)
+            if self.on_done is not None:
+                self.on_done(key, seconds)
 
 
 def shrinks(members: Sequence[int], min_members: int = 1) -> list[tuple[int, ...]]:
@@ -176,6 +178,19 @@ class Precompiler:
         self.programs.compile_for(mesh, shapes(state), self.feeder.template)
         logger.info("process %d compiled the step for %s before admission in %.2f s", self.group.process_id,
                     list(pids), time.monotonic() - t0)
+
+    def as_spare(self, pids: tuple[int, ...], step: int) -> None:
+        """A hot spare, before it says it is ready: it cannot compile for a member set it does not
+        know, but it names the programs the members share (the fingerprint of the reference
+        program, :mod:`jaxft.worker.executables`: ~0.2 s of tracing here), which its first step
+        after a swap otherwise did while the members waited for it."""
+        t0 = time.monotonic()
+        if self.feeder.template is None:  # (the global batch's shapes: the same on any mesh)
+            members = tuple(p for p in pids if p != self.group.process_id)
+            self.feeder.host_batch(step, mesh_of(members, self.group.axis_name))
+        self.programs.executables.name_shared()
+        logger.info("process %d named the shared step programs as a spare in %.2f s", self.group.process_id,
+                    time.monotonic() - t0)
 
     def _compiled_one(self, key: Any, seconds: float) -> None:
         self._done.add(key)

@@ -4,9 +4,12 @@ data source that can fail on purpose.
   --runs 20,80             run(20), then run(80) (a continuation), in one program
   --fail_batch P:K[:N]     process P's data source raises at step K, the first N times (1)
   --pipeline / --commit_every N / --step_sleep S / --reduction R / --checkpoint_every C
+  --no_gc                  Python's automatic garbage collection off: what reference cycles
+                           hold is freed only by jaxft's own collections
 """
 
 import argparse
+import gc
 import os
 import time
 
@@ -20,7 +23,10 @@ parser.add_argument("--commit_every", type=int, default=1)
 parser.add_argument("--step_sleep", type=float, default=0.0)
 parser.add_argument("--reduction", default="allreduce")
 parser.add_argument("--checkpoint_every", type=int, default=0)
+parser.add_argument("--no_gc", action="store_true")
 args, _ = parser.parse_known_args()
+if args.no_gc:
+    gc.disable()
 rt = jaxft.initialize()
 
 import jax
