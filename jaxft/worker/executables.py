@@ -11,8 +11,8 @@ and serialized (``jax.experimental.serialize_executable``), keyed by the mesh's 
 and the arguments' shapes and dtypes. After a rebuild the bytes load into the new backend
 without tracing. With a directory, process 0's programs are also written there, and another
 process with the same *fingerprint* (a hash of a reference program every process lowers
-alike, the step on every process's devices: same code, same arguments) loads them instead of
-tracing. (Not the hash of a process's own first program: a joiner's is for the mesh it joins.)
+alike, the step on every process's devices: not a process's own first program, a joiner's is
+for the mesh it joins) loads them instead of tracing.
 
 A program is compiled once per mesh *width* (and argument signature), not once per device
 set: on CPU, the step for devices (0, 2, 3) lowers to the same module as for (1, 2, 3) (the
@@ -23,9 +23,8 @@ thread of this process compiles one of the same width and signature waits for th
 instead of compiling beside it (the warm-up compiles one program per width, and a retry that
 needs a width the warm-up is compiling takes its program).
 
-Loading is an optimisation only: any failure to serialize, write, read or load is logged and the program
-is compiled as before. Programs are loaded only from the run's own directory, written by its own processes
-(a serialized executable can run arbitrary code).
+Loading is an optimisation only: any failure to serialize, write, read or load is logged and the program is
+compiled as before. Only the run's own directory is read (a serialized executable can run arbitrary code).
 """
 
 from __future__ import annotations
@@ -185,7 +184,7 @@ class Executables:
         try:
             lowered = fn.lower(*args)
             if self._fingerprint is None and self.directory is not None:  # now it can read shared ones
-                self._take_fingerprint(lowered)
+                self.name_shared(lowered)
                 with self._lock:
                     exe = self._load(key)
                 if exe is not None:
@@ -245,15 +244,11 @@ class Executables:
             self._loaded[key] = exe
         return exe
 
-    def name_shared(self) -> None:
-        """Take the fingerprint that names the shared programs now, if it can (a reference
-        program and a directory) and has not yet; else the first :meth:`get` takes it."""
-        if self._fingerprint is None and self.reference is not None and self.directory is not None:
-            self._take_fingerprint(None)
-
-    def _take_fingerprint(self, lowered: Any) -> None:
-        """Name this process's shared programs: the hash of ``reference()`` (or, without one or
-        if it fails, of ``lowered``, this process's first program)."""
+    def name_shared(self, lowered: Any = None) -> None:
+        """Name this process's shared programs, once (the first :meth:`get`, or a hot spare ahead):
+        the hash of ``reference()`` (or, that failing, of ``lowered``, its first program)."""
+        if self._fingerprint is not None or self.directory is None:
+            return
         text = None
         if self.reference is not None:
             try:

@@ -128,10 +128,7 @@ class ElasticGroup:
         """Register ``hook(process_ids)``, run by a joiner (ready admission) with the member set it
         expects to enter, before it says it is ready (``announced``: right after): set-up there
         costs the members nothing. Errors are logged and ignored, unless ``may_raise`` (a check
-        that must stop the joiner before it is admitted; those run first). A joiner that waits as
-        a hot spare cannot know the member set it will enter (the members fill the width): it
-        runs the checks, then only the hooks registered with ``spare`` (given the running
-        members plus itself), which no other joiner runs."""
+        that must stop it; run first). A hot spare runs the checks, then only ``spare`` hooks."""
         self._joining.before_admission(hook, may_raise, announced, spare)
 
     def on_cold_start(self, hook: Callable[[], None]) -> None:
