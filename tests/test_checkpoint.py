@@ -625,7 +625,8 @@ print(json.dumps({
     assert not [k for k, v in out.items() if not v], out
 
 
-@pytest.mark.parametrize("records", [True, False], ids=["launcher-records", "another-node"])
+@pytest.mark.parametrize("records", [True, pytest.param(False, marks=pytest.mark.soak)],  # (time budget: 16 s)
+                         ids=["launcher-records", "another-node"])
 def test_a_death_before_a_save_abandons_it_without_waiting_out_the_barrier(tmp_path, records):
     # Process 2 dies as checkpoint 10 is due, before it begins it: the others are in the save's
     # blocking barriers (Orbax's save_start), which waited for it until Timeouts.save_barrier

@@ -78,6 +78,7 @@ def test_a_failure_undoes_the_steps_since_the_last_commit_everywhere(sequential,
     assert all(f["rolled_back"] == 2 for f in survivors), survivors
 
 
+@pytest.mark.soak  # time budget (23 s): the default suite keeps a kill under the default batching
 def test_a_restarted_member_rejoins_a_pipelined_run_with_a_commit_every_4_steps(sequential_runs, tmp_path):
     # A kill inside step 6's program: the survivors undo steps 4 and 5 (run, not committed)
     # and go on at width 2; the restarted process is admitted at a commit of its own and

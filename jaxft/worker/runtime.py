@@ -268,8 +268,8 @@ def initialize(coordinator_address: str | None = None,
     if num_processes > 1:
         # Out of every later collection (the imports, the connection; no backend exists yet):
         # a full collection after each CPU backend rebuild then stays cheap (jaxft.worker.dataplane).
-        # Garbage in reference cycles made before now is never reclaimed.
-        gc.collect()
+        # Garbage in reference cycles made before now is never reclaimed (no collection first:
+        # ~0.05 s over the ~110,000 objects of the imports, at every start).
         gc.freeze()
     return Runtime(placement=place, incarnation=incarnation, run_dir=run_dir, events=events, faults=faults,
                    timeouts=timeouts)
