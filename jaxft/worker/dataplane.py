@@ -23,7 +23,8 @@ collection came, tens of seconds later. So the first commit on a rebuilt backend
 (:meth:`DataPlane.collect_replaced`). To keep that cheap, :func:`jaxft.initialize` freezes
 what exists before any backend does (the imports) out of every later collection
 (``gc.freeze``): a full collection then examines ~22,000 objects instead of ~120,000 (6-22 ms
-instead of 55-120 ms in a worker here).
+instead of 55-120 ms in a worker here). A backend something holds from C++ outlives this
+(seen in schedule runs, docs/benchmarks.md).
 """
 
 from __future__ import annotations
