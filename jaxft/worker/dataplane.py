@@ -205,9 +205,9 @@ class DataPlane:
         logger.info("process %d rebuilt the CPU data plane for %s: %s", self.process_id, members, self.last_reset)
 
     def collect_replaced(self) -> None:
-        """After the first commit on a rebuilt backend, when nothing of a step refers to the
-        replaced one any more: free it (and its gloo communicators) now, with a full collection
-        (see the module docstring)."""
+        """After each commit; the first one since a rebuild (whose own step may have failed),
+        when nothing of a step refers to the replaced backend any more, frees it (and its gloo
+        communicators) with a full collection (see the module docstring)."""
         if not self._collect:
             return
         self._collect = False
