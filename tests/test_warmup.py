@@ -61,6 +61,47 @@ def test_a_step_compiled_ahead_is_not_compiled_again():
         assert counts["warm"] == "0", (admission, r.describe())
 
 
+# The rejoin's agreement compiled ahead (Precompiler, for each swap and the rejoin) is the program
+# the agreement then loads from jax's persistent cache, after the in-memory caches are gone (as
+# after a backend rebuild); a mesh never compiled ahead (2 devices) is the control.
+AGREE = r'''
+import sys
+import jax, numpy as np
+from jax.sharding import Mesh
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+from jaxft.worker import rejoin, transfer
+
+counts = {"requests": 0, "hits": 0}
+def listen(name, **kwargs):
+    if name == "/jax/compilation_cache/compile_requests_use_cache":
+        counts["requests"] += 1
+    elif name == "/jax/compilation_cache/cache_hits":
+        counts["hits"] += 1
+jax.monitoring.register_event_listener(listen)
+
+row = rejoin._agree_row(7, 2, rejoin.Signature.of({"w": np.zeros(3)}))
+for warm, width in ((True, 3), (False, 2)):
+    mesh = Mesh(np.array(jax.devices()[:width]), ("data",))
+    if warm:
+        rejoin.compile_agree(mesh)
+    jax.clear_caches()
+    before = dict(counts)
+    rows = transfer.allgather_rows(row, mesh)
+    assert rows.shape == (width, 4) and (rows == row.astype(rows.dtype)).all(), rows  # (int32 without x64)
+    print("warm" if warm else "cold", counts["requests"] - before["requests"] - (counts["hits"] - before["hits"]))
+'''
+
+
+def test_the_agreement_compiled_ahead_is_loaded_not_compiled(tmp_path):
+    env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    r = run([PYTHON, "-c", AGREE, str(tmp_path / "cache")], env=env, timeout=240)
+    assert r.returncode == 0, r.describe()
+    misses = dict(line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["warm"], ["cold"]))
+    assert misses == {"warm": "0", "cold": "1"}, r.describe()
+
+
 def test_shrinks_are_the_sets_one_failure_away():
     # then a death and its successor (gloo's ring may leave the successor aborted or stuck)
     assert warmup.shrinks([0, 1, 2, 3]) == [(0, 1, 2), (0, 1, 3), (0, 2, 3), (1, 2, 3),

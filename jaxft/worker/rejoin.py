@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxft.core.rejoin import donor, reference
 from jaxft.errors import StateMismatch
@@ -107,11 +108,22 @@ class Agreement:
     refused: tuple[int, ...]  # processes whose state signature differs from the reference
 
 
+def _agree_row(step: int, generation: int, signature: Signature) -> np.ndarray:
+    """What each member contributes to :func:`agree`: ``[4]`` int64 (step, generation, and the
+    signature's two words)."""
+    return np.concatenate([np.array([step, generation], np.int64), signature.words()])
+
+
+def compile_agree(mesh: Mesh) -> None:
+    """Compile, without running, :func:`agree`'s all-gather over ``mesh`` (ahead of a swap or a
+    rejoin: the agreement otherwise compiles it while every member waits)."""
+    transfer.compile_allgather(len(_agree_row(0, 0, Signature(()))), np.int64, mesh)
+
+
 def agree(step: int, generation: int, signature: Signature, members) -> Agreement:
     """All-gather every member's ``(step, generation, signature)`` and decide who donates and
     who is refused (:func:`reference`); a collective over ``members``."""
-    rows = transfer.allgather_rows(np.concatenate([np.array([step, generation], np.int64), signature.words()]),
-                                   members.mesh)
+    rows = transfer.allgather_rows(_agree_row(step, generation, signature), members.mesh)
     procs = [d.process_index for d in members.devices]
     steps = {p: int(r[0]) for p, r in zip(procs, rows)}
     signatures = {p: r[2:4].tobytes() for p, r in zip(procs, rows)}

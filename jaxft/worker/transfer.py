@@ -49,6 +49,14 @@ def allgather_rows(row: np.ndarray, mesh: Mesh, axis_name: str = "data") -> np.n
     return np.asarray(jax.block_until_ready(out).addressable_data(0))
 
 
+def compile_allgather(row_len: int, dtype: Any, mesh: Mesh, axis_name: str = "data") -> None:
+    """Compile, without running, what :func:`allgather_rows` of a ``[row_len]`` row of ``dtype``
+    over ``mesh`` runs (e.g. ahead of a rejoin's agreement: into jax's persistent cache)."""
+    sharding = NamedSharding(mesh, P(axis_name))
+    spec = jax.ShapeDtypeStruct((mesh.devices.size, row_len), np.dtype(dtype), sharding=sharding)
+    _replicating(_identity, mesh).lower(spec).compile()
+
+
 def tree_nbytes(tree: PyTree) -> int:
     return sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree))
 

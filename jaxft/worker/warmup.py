@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from jaxft.protocol import Event
-from jaxft.worker import transfer
+from jaxft.worker import rejoin, rendezvous, transfer
 from jaxft.worker.arrays import shapes
 from jaxft.worker.programs import mesh_of
 
@@ -121,9 +121,10 @@ class Precompiler:
 
     Process 0, after a commit on a member set it did not warm up for yet, compiles in the
     background the step for each set one failure away (same state and batch shapes, another
-    mesh) and, while someone is missing, the rejoin's transfer from the donor it will have.
-    With spares at full width, the sets one failure away are first the swaps (:func:`swaps`),
-    each with the spare's transfer."""
+    mesh) with the gloo rendezvous a new device list runs first, and, while someone is missing,
+    the rejoin's agreement and transfer from the donor it will have. With spares at full width,
+    the sets one failure away are first the swaps (:func:`swaps`), each with the spare's
+    agreement and transfer: every program a swap runs is in jax's persistent cache before it."""
 
     def __init__(self, programs: Any, feeder: Any, group: Any, events: Any, precompile: int, min_members: int):
         self.programs, self.feeder, self.group, self.events = programs, feeder, group, events
@@ -155,18 +156,28 @@ class Precompiler:
                 warmer.submit(pids, functools.partial(self.programs.compile_for, mesh_of(pids, axis),
                                                             state_shapes, template))
 
-        for pids in swaps(process_ids, spares):  # each with the spare's transfer, from the donor it will have
+        def then(what: str, pids: tuple[int, ...], job: Job) -> None:
+            if (what, pids) not in self._done:
+                warmer.submit((what, pids), job)
+
+        def connect_for(pids: tuple[int, ...]) -> None:  # gloo's rendezvous of a new device list
+            then("rendezvous", pids, lambda: rendezvous.precompile(list(mesh_of(pids, axis).devices.flat)))
+
+        def joining(pids: tuple[int, ...], donor: int) -> None:  # the agreement, then the transfer
+            then("agree", pids, lambda: rejoin.compile_agree(mesh_of(pids, axis)))
+            then("rehydrate", pids, lambda: transfer.compile_broadcast(nbytes, donor, mesh_of(pids, axis), axis))
+
+        for pids in swaps(process_ids, spares):  # each with the spare's entry, from the donor it will have
             step_for(pids)
-            if ("rehydrate", pids) not in self._done:
-                donor = min(p for p in pids if p in process_ids)
-                warmer.submit(("rehydrate", pids), functools.partial(
-                    transfer.compile_broadcast, nbytes, donor, mesh_of(pids, axis), axis))
+            connect_for(pids)
+            joining(pids, min(p for p in pids if p in process_ids))
         for pids in shrinks(process_ids, self.min_members) if shrinking else ():
             step_for(pids)
-        if shrinking and not spares and process_ids != everyone and ("rehydrate", everyone) not in self._done:
-            # someone is missing: the rejoin's transfer, from the donor it will have (the lowest member)
-            warmer.submit(("rehydrate", everyone), lambda: transfer.compile_broadcast(
-                nbytes, min(process_ids), mesh_of(everyone, axis), axis))
+            connect_for(pids)
+        if shrinking and not spares and process_ids != everyone:
+            # someone is missing: the rejoin, with the donor it will have (the lowest member)
+            connect_for(everyone)
+            joining(everyone, min(process_ids))
 
     def before_admission(self, pids: tuple[int, ...], step: int, state: Any) -> None:
         """A joiner, before it says it is ready: the step for the members it will enter, so that
@@ -194,10 +205,8 @@ class Precompiler:
 
     def _compiled_one(self, key: Any, seconds: float) -> None:
         self._done.add(key)
-        if key and key[0] == "rehydrate":
-            self.events.log(Event.PRECOMPILED, program="rehydrate", members=list(key[1]), seconds=round(seconds, 3))
-        else:
-            self.events.log(Event.PRECOMPILED, program="step", members=list(key), seconds=round(seconds, 3))
+        program, pids = key if isinstance(key[0], str) else ("step", key)
+        self.events.log(Event.PRECOMPILED, program=program, members=list(pids), seconds=round(seconds, 3))
 
     def _pause(self) -> None:
         """Before a backend rebuild: no compile runs across it, and the next commit warms up anew."""
