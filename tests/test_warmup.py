@@ -4,7 +4,7 @@ the retry runs (no compile left for it), and the background worker's rules."""
 import threading
 import time
 
-from helpers import PYTHON, clean_env, run
+from helpers import PYTHON, clean_env, launch, run
 
 from jaxft.worker import warmup
 
@@ -61,45 +61,51 @@ def test_a_step_compiled_ahead_is_not_compiled_again():
         assert counts["warm"] == "0", (admission, r.describe())
 
 
-# The rejoin's agreement compiled ahead (Precompiler, for each swap and the rejoin) is the program
-# the agreement then loads from jax's persistent cache, after the in-memory caches are gone (as
-# after a backend rebuild); a mesh never compiled ahead (2 devices) is the control.
-AGREE = r'''
-import sys
-import jax, numpy as np
+# Two processes under jaxft launch (its persistent cache): process 0 compiles ahead, the way its
+# warm-up does, the gloo rendezvous and the agreement of both processes' devices; then both drop
+# the in-memory caches (as a backend rebuild does) and run them: every process loads process 0's
+# programs instead of compiling its own (a key that differed from process to process, or from
+# what the way back lowers, would miss). A program of each process's own, never compiled, is the
+# control.
+AHEAD = r'''
+import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh
-jax.config.update("jax_compilation_cache_dir", sys.argv[1])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-from jaxft.worker import rejoin, transfer
+import jaxft
+rt = jaxft.initialize()
+from jaxft.worker import kv, rejoin, rendezvous, transfer
 
-counts = {"requests": 0, "hits": 0}
+misses = [0]
 def listen(name, **kwargs):
     if name == "/jax/compilation_cache/compile_requests_use_cache":
-        counts["requests"] += 1
+        misses[0] += 1
     elif name == "/jax/compilation_cache/cache_hits":
-        counts["hits"] += 1
+        misses[0] -= 1
 jax.monitoring.register_event_listener(listen)
-
+devices = sorted(jax.devices(), key=lambda d: d.id)
+mesh = Mesh(np.array(devices), ("data",))
+if rt.process_id == 0:
+    rendezvous.precompile(devices)
+    rejoin.compile_agree(mesh)
+kv.client().wait_at_barrier("ahead", 60000)
+jax.clear_caches()
 row = rejoin._agree_row(7, 2, rejoin.Signature.of({"w": np.zeros(3)}))
-for warm, width in ((True, 3), (False, 2)):
-    mesh = Mesh(np.array(jax.devices()[:width]), ("data",))
-    if warm:
-        rejoin.compile_agree(mesh)
-    jax.clear_caches()
-    before = dict(counts)
-    rows = transfer.allgather_rows(row, mesh)
-    assert rows.shape == (width, 4) and (rows == row.astype(rows.dtype)).all(), rows  # (int32 without x64)
-    print("warm" if warm else "cold", counts["requests"] - before["requests"] - (counts["hits"] - before["hits"]))
+for name, run in (("rendezvous", lambda: rendezvous.compile_for(devices)()),
+                  ("agree", lambda: transfer.allgather_rows(row, mesh)),
+                  ("control", lambda: jax.jit(jnp.sin)(np.ones(3, np.float32)))):  # (each its own)
+    before = misses[0]
+    out = run()
+    print("AHEAD", name, misses[0] - before, flush=True)
+    if name == "agree":  # (bit for bit: int64 rows without jax_enable_x64)
+        assert out.dtype == np.int64 and (out == row).all(), out
 '''
 
 
-def test_the_agreement_compiled_ahead_is_loaded_not_compiled(tmp_path):
-    env = clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    r = run([PYTHON, "-c", AGREE, str(tmp_path / "cache")], env=env, timeout=240)
+def test_the_way_back_compiled_ahead_by_process_0_is_loaded_by_every_process(tmp_path):
+    r = launch(2, [PYTHON, "-c", AHEAD], run_dir=tmp_path, timeout=120)
     assert r.returncode == 0, r.describe()
-    misses = dict(line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["warm"], ["cold"]))
-    assert misses == {"warm": "0", "cold": "1"}, r.describe()
+    seen = sorted(line.split()[-2:] for line in r.stdout.splitlines() if "AHEAD" in line)
+    assert seen == sorted([name, "0" if name != "control" else "1"]
+                          for name in ("rendezvous", "agree", "control") for _ in range(2)), r.describe()
 
 
 def test_shrinks_are_the_sets_one_failure_away():

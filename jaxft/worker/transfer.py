@@ -42,18 +42,30 @@ def _replicating(fn, mesh: Mesh):
     return jax.jit(fn, out_shardings=NamedSharding(mesh, P()))
 
 
+def _as_words(dtype: Any) -> tuple[np.dtype, int]:
+    """What a row of ``dtype`` travels as, and how many of those per element: 64-bit values as
+    pairs of int32 (jax without ``jax_enable_x64`` would cut them to 32 bits: an int64 step or
+    hash all-gathered kept only its low half)."""
+    dtype = np.dtype(dtype)
+    return (np.dtype(np.int32), 2) if dtype.itemsize == 8 else (dtype, 1)
+
+
 def allgather_rows(row: np.ndarray, mesh: Mesh, axis_name: str = "data") -> np.ndarray:
-    """Every device contributes ``row`` (``[k]``); returns ``[D, k]`` in mesh order."""
-    x = _rows_array(np.asarray(row), mesh, axis_name)
+    """Every device contributes ``row`` (``[k]``); returns ``[D, k]`` in mesh order, bit for bit
+    (64-bit dtypes included, whatever ``jax_enable_x64`` says)."""
+    row = np.ascontiguousarray(row)
+    word, _ = _as_words(row.dtype)
+    x = _rows_array(row.view(word), mesh, axis_name)
     out = _replicating(_identity, mesh)(x)
-    return np.asarray(jax.block_until_ready(out).addressable_data(0))
+    return np.asarray(jax.block_until_ready(out).addressable_data(0)).view(row.dtype)
 
 
 def compile_allgather(row_len: int, dtype: Any, mesh: Mesh, axis_name: str = "data") -> None:
     """Compile, without running, what :func:`allgather_rows` of a ``[row_len]`` row of ``dtype``
     over ``mesh`` runs (e.g. ahead of a rejoin's agreement: into jax's persistent cache)."""
+    word, per = _as_words(dtype)
     sharding = NamedSharding(mesh, P(axis_name))
-    spec = jax.ShapeDtypeStruct((mesh.devices.size, row_len), np.dtype(dtype), sharding=sharding)
+    spec = jax.ShapeDtypeStruct((mesh.devices.size, row_len * per), word, sharding=sharding)
     _replicating(_identity, mesh).lower(spec).compile()
 
 

@@ -12,7 +12,10 @@ time, and process 0, if it survives, finds it in memory (a jitted function calle
 arguments it was lowered for reuses the ahead-of-time compile). Only process 0 does the work:
 when every member compiled its own candidates, their compiles on shared cores slowed the steps
 after each change by more than the retries saved (measured: docs/benchmarks.md, 'Figures
-behind the code').
+behind the code'). The steps are opt-in (``LoopOptions(precompile=K)``, or spares waiting); the
+small programs on a failure's way back (a new device list's gloo rendezvous, a rejoin's
+agreement and transfer) are compiled ahead always: milliseconds each in the background,
+against the same compile in every member on the way back.
 
 Safety: the thread never runs while the backend is rebuilt (:meth:`Warmer.pause` takes its
 lock, waiting for at most the compile in progress), and work queued for an older backend is
@@ -134,12 +137,15 @@ class Precompiler:
         self._done: set[tuple] = set()  # what was compiled ahead in this life
 
     def after_commit(self, process_ids: tuple[int, ...], state: Any) -> None:
-        """Warm up for ``process_ids`` (the members of the commit) if this process should: with
-        ``precompile``, or with spares waiting (their swaps only, whatever ``precompile`` says)."""
+        """Warm up for ``process_ids`` (the members of the commit) if this process should. Always
+        (several processes) the small programs of a failure's way back: on CPU the gloo
+        rendezvous of each set one death away, and while someone is missing the rejoin's (its
+        rendezvous, agreement and transfer), a few compiles of milliseconds each. The steps
+        with ``precompile``; with spares waiting their swaps, whatever ``precompile`` says."""
         width = self.group.width
         shrinking = bool(self.precompile) and len(process_ids) <= self.precompile
         swapping = width is not None and len(process_ids) >= width
-        if (not (shrinking or swapping) or self.feeder.template is None or self.group.process_id != 0
+        if (jax.process_count() < 2 or self.feeder.template is None or self.group.process_id != 0
                 or self._warmed_for == process_ids):
             return
         if self._warmer is None:
@@ -150,6 +156,7 @@ class Precompiler:
         everyone = tuple(range(jax.process_count()))
         spares = [p for p in everyone if p not in process_ids] if swapping else []
         nbytes = transfer.tree_nbytes({"step": np.int64(0), "state": state})
+        cpu = jax.devices()[0].platform == "cpu"  # (only gloo connects a new device list first)
 
         def step_for(pids: tuple[int, ...]) -> None:
             if pids not in self._done:  # on disk already: after a rebuild it loads from there
@@ -161,7 +168,8 @@ class Precompiler:
                 warmer.submit((what, pids), job)
 
         def connect_for(pids: tuple[int, ...]) -> None:  # gloo's rendezvous of a new device list
-            then("rendezvous", pids, lambda: rendezvous.precompile(list(mesh_of(pids, axis).devices.flat)))
+            if cpu:
+                then("rendezvous", pids, lambda: rendezvous.precompile(list(mesh_of(pids, axis).devices.flat)))
 
         def joining(pids: tuple[int, ...], donor: int) -> None:  # the agreement, then the transfer
             then("agree", pids, lambda: rejoin.compile_agree(mesh_of(pids, axis)))
@@ -171,10 +179,12 @@ class Precompiler:
             step_for(pids)
             connect_for(pids)
             joining(pids, min(p for p in pids if p in process_ids))
-        for pids in shrinks(process_ids, self.min_members) if shrinking else ():
-            step_for(pids)
-            connect_for(pids)
-        if shrinking and not spares and process_ids != everyone:
+        for pids in shrinks(process_ids, self.min_members):
+            if shrinking:
+                step_for(pids)
+            if shrinking or len(pids) == len(process_ids) - 1:  # (by default the single deaths only)
+                connect_for(pids)
+        if not spares and process_ids != everyone:
             # someone is missing: the rejoin, with the donor it will have (the lowest member)
             connect_for(everyone)
             joining(everyone, min(process_ids))
