@@ -63,25 +63,23 @@ def make_dataset(num_examples: int, features: int = 16):
     return {"x": x, "y": y}
 
 
-def init_params(seed: int, features: int, hidden: int):
-    """The MLP's initial params, one jitted program: run op by op, its small programs were
-    compiled one by one in every process, a large part of each multi-process run's start-up
-    (measured: docs/benchmarks.md, 'Figures behind the code')."""
-    import jax
-    import jax.numpy as jnp
+def init_params(seed: int, features: int, hidden: int) -> dict:
+    """The MLP's initial params: float32 numpy arrays, the same in every process for ``seed``.
 
-    def init(key):
-        k1, k2, k3 = jax.random.split(key, 3)
-        return {
-            "w1": jax.random.normal(k1, (features, hidden)) / jnp.sqrt(features),
-            "b1": jnp.zeros((hidden,)),
-            "w2": jax.random.normal(k2, (hidden, hidden)) / jnp.sqrt(hidden),
-            "b2": jnp.zeros((hidden,)),
-            "w3": jax.random.normal(k3, (hidden, 1)) / jnp.sqrt(hidden),
-            "b3": jnp.zeros((1,)),
-        }
+    Drawn with numpy rather than ``jax.random``: jax's threefry program took ~1.5 s to compile
+    in every process of every run here (a fresh persistent cache: every test), more than
+    importing jax; op by op it was slower still (measured: docs/benchmarks.md, 'Figures behind
+    the code')."""
+    import numpy as np
 
-    return jax.jit(init)(jax.random.key(seed))
+    rng = np.random.default_rng(seed)
+
+    def normal(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) / np.sqrt(rows)).astype(np.float32)
+
+    w1, w2, w3 = normal(features, hidden), normal(hidden, hidden), normal(hidden, 1)
+    return {"w1": w1, "b1": np.zeros((hidden,), np.float32), "w2": w2, "b2": np.zeros((hidden,), np.float32),
+            "w3": w3, "b3": np.zeros((1,), np.float32)}
 
 
 def loss_fn(params, batch):
@@ -108,9 +106,9 @@ def main(argv):
     import optax
 
     dataset = make_dataset(FLAGS.num_examples)
-    params = init_params(FLAGS.seed, dataset["x"].shape[1], FLAGS.hidden)
-    if not FLAGS.hold_jax_params:  # host copies: no array of the first CPU backend outlives its rebuild
-        params = jax.tree_util.tree_map(np.array, params)
+    params = init_params(FLAGS.seed, dataset["x"].shape[1], FLAGS.hidden)  # (host copies: no array of
+    if FLAGS.hold_jax_params:  # the first CPU backend outlives its rebuild, unless asked for)
+        params = jax.tree_util.tree_map(jax.numpy.asarray, params)
     data = jaxft.GlobalBatches(dataset, FLAGS.global_batch, seed=FLAGS.seed)
 
     ckpt = None
