@@ -66,10 +66,10 @@ def make_dataset(num_examples: int, features: int = 16):
 def init_params(seed: int, features: int, hidden: int) -> dict:
     """The MLP's initial params: float32 numpy arrays, the same in every process for ``seed``.
 
-    Drawn with numpy rather than ``jax.random``: jax's threefry program took ~1.5 s to compile
-    in every process of every run here (a fresh persistent cache: every test), more than
-    importing jax; op by op it was slower still (measured: docs/benchmarks.md, 'Figures behind
-    the code')."""
+    Drawn with numpy rather than ``jax.random``: jax's threefry program took longer to compile,
+    in every process of every run with a fresh persistent cache (every test), than importing
+    jax; op by op it was slower still (measured: docs/benchmarks.md, 'Figures behind the
+    code')."""
     import numpy as np
 
     rng = np.random.default_rng(seed)

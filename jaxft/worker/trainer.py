@@ -155,8 +155,8 @@ class ElasticTrainer:
 
 def _init(optimizer: optax.GradientTransformation, params: PyTree) -> PyTree:
     """``optimizer.init(params)`` as one jitted program: op by op, each leaf shape compiled a
-    program of its own in every process at start-up (~50-90 ms each here). An init that cannot
-    be traced (host-side values) runs op by op, as it is."""
+    program of its own in every process at start-up (measured: docs/benchmarks.md, 'Figures
+    behind the code'). An init that cannot be traced (host-side values) runs op by op, as it is."""
     try:
         return jax.jit(optimizer.init)(params)
     except jax.errors.JAXTypeError:
