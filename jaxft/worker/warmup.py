@@ -13,9 +13,9 @@ arguments it was lowered for reuses the ahead-of-time compile). Only process 0 d
 when every member compiled its own candidates, their compiles on shared cores slowed the steps
 after each change by more than the retries saved (measured: docs/benchmarks.md, 'Figures
 behind the code'). The steps are opt-in (``LoopOptions(precompile=K)``, or spares waiting); the
-small programs on a failure's way back (a new device list's gloo rendezvous, a rejoin's
-agreement and transfer) are compiled ahead always: milliseconds each in the background,
-against the same compile in every member on the way back.
+tiny programs on a failure's way back (a new device list's gloo rendezvous, a rejoin's
+agreement) are compiled ahead always: milliseconds each in the background, against the same
+compile in every member on the way back.
 
 Safety: the thread never runs while the backend is rebuilt (:meth:`Warmer.pause` takes its
 lock, waiting for at most the compile in progress), and work queued for an older backend is
@@ -138,10 +138,11 @@ class Precompiler:
 
     def after_commit(self, process_ids: tuple[int, ...], state: Any) -> None:
         """Warm up for ``process_ids`` (the members of the commit) if this process should. Always
-        (several processes) the small programs of a failure's way back: on CPU the gloo
-        rendezvous of each set one death away, and while someone is missing the rejoin's (its
-        rendezvous, agreement and transfer), a few compiles of milliseconds each. The steps
-        with ``precompile``; with spares waiting their swaps, whatever ``precompile`` says."""
+        (several processes) the tiny programs of a failure's way back, whatever the model: on
+        CPU the gloo rendezvous of each set one death away, and while someone is missing the
+        rejoin's rendezvous and agreement, compiles of milliseconds each. The steps and the
+        rejoin's transfer with ``precompile``; with spares waiting their swaps (each with its
+        agreement and transfer), whatever ``precompile`` says."""
         width = self.group.width
         shrinking = bool(self.precompile) and len(process_ids) <= self.precompile
         swapping = width is not None and len(process_ids) >= width
@@ -173,7 +174,8 @@ class Precompiler:
 
         def joining(pids: tuple[int, ...], donor: int) -> None:  # the agreement, then the transfer
             then("agree", pids, lambda: rejoin.compile_agree(mesh_of(pids, axis)))
-            then("rehydrate", pids, lambda: transfer.compile_broadcast(nbytes, donor, mesh_of(pids, axis), axis))
+            if shrinking or swapping:  # (its compile grows with the state's chunks: opt-in)
+                then("rehydrate", pids, lambda: transfer.compile_broadcast(nbytes, donor, mesh_of(pids, axis), axis))
 
         for pids in swaps(process_ids, spares):  # each with the spare's entry, from the donor it will have
             step_for(pids)
