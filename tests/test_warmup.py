@@ -84,7 +84,7 @@ jax.monitoring.register_event_listener(listen)
 devices = sorted(jax.devices(), key=lambda d: d.id)
 mesh = Mesh(np.array(devices), ("data",))
 if rt.process_id == 0:
-    rendezvous.precompile(devices)
+    rendezvous.compile_for(devices)  # (compiled, not run)
     rejoin.compile_agree(mesh)
 kv.client().wait_at_barrier("ahead", 60000)
 jax.clear_caches()

@@ -106,8 +106,9 @@ def main(argv):
     import optax
 
     dataset = make_dataset(FLAGS.num_examples)
-    params = init_params(FLAGS.seed, dataset["x"].shape[1], FLAGS.hidden)  # (host copies: no array of
-    if FLAGS.hold_jax_params:  # the first CPU backend outlives its rebuild, unless asked for)
+    # host arrays: no array of the first CPU backend outlives its rebuild, unless asked for
+    params = init_params(FLAGS.seed, dataset["x"].shape[1], FLAGS.hidden)
+    if FLAGS.hold_jax_params:
         params = jax.tree_util.tree_map(jax.numpy.asarray, params)
     data = jaxft.GlobalBatches(dataset, FLAGS.global_batch, seed=FLAGS.seed)
 

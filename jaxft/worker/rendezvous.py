@@ -53,9 +53,3 @@ def compile_for(devices: Sequence[jax.Device]) -> Connect:
         logger.debug("gloo rendezvous over %d devices: %.4f s", len(devices), time.monotonic() - t0)
 
     return connect
-
-
-def precompile(devices: Sequence[jax.Device]) -> None:
-    """Compile :func:`compile_for`'s program of ``devices`` without connecting (ahead of a
-    rebuild for them: it then loads from jax's persistent cache, :mod:`jaxft.worker.warmup`)."""
-    compile_for(devices)

@@ -42,7 +42,7 @@ from jaxft.worker.programs import mesh_of
 
 logger = logging.getLogger(__name__)
 
-Job = Callable[[], None]  # lowers and compiles one program
+Job = Callable[[], object]  # lowers and compiles one program (what it returns is dropped)
 
 
 class Warmer:
@@ -125,9 +125,10 @@ class Precompiler:
     Process 0, after a commit on a member set it did not warm up for yet, compiles in the
     background the step for each set one failure away (same state and batch shapes, another
     mesh) with the gloo rendezvous a new device list runs first, and, while someone is missing,
-    the rejoin's agreement and transfer from the donor it will have. With spares at full width,
-    the sets one failure away are first the swaps (:func:`swaps`), each with the spare's
-    agreement and transfer: every program a swap runs is in jax's persistent cache before it."""
+    the rejoin's agreement (and, with ``precompile``, its transfer from the donor it will have).
+    With spares at full width, the sets one failure away are first the swaps (:func:`swaps`),
+    each with the spare's agreement and transfer: every program a swap runs is in jax's
+    persistent cache before it."""
 
     def __init__(self, programs: Any, feeder: Any, group: Any, events: Any, precompile: int, min_members: int):
         self.programs, self.feeder, self.group, self.events = programs, feeder, group, events
@@ -157,20 +158,17 @@ class Precompiler:
         everyone = tuple(range(jax.process_count()))
         spares = [p for p in everyone if p not in process_ids] if swapping else []
         nbytes = transfer.tree_nbytes({"step": np.int64(0), "state": state})
-        cpu = jax.devices()[0].platform == "cpu"  # (only gloo connects a new device list first)
-
-        def step_for(pids: tuple[int, ...]) -> None:
-            if pids not in self._done:  # on disk already: after a rebuild it loads from there
-                warmer.submit(pids, functools.partial(self.programs.compile_for, mesh_of(pids, axis),
-                                                            state_shapes, template))
-
         def then(what: str, pids: tuple[int, ...], job: Job) -> None:
-            if (what, pids) not in self._done:
+            if (what, pids) not in self._done:  # on disk already: after a rebuild it loads from there
                 warmer.submit((what, pids), job)
 
-        def connect_for(pids: tuple[int, ...]) -> None:  # gloo's rendezvous of a new device list
-            if cpu:
-                then("rendezvous", pids, lambda: rendezvous.precompile(list(mesh_of(pids, axis).devices.flat)))
+        def step_for(pids: tuple[int, ...]) -> None:
+            then("step", pids, functools.partial(self.programs.compile_for, mesh_of(pids, axis), state_shapes,
+                                                 template))
+
+        def connect_for(pids: tuple[int, ...]) -> None:  # gloo's rendezvous of a new device list (CPU only)
+            if self.group.data_plane.needs_reset and len(pids) > 1:  # (one process has none)
+                then("rendezvous", pids, lambda: rendezvous.compile_for(list(mesh_of(pids, axis).devices.flat)))
 
         def joining(pids: tuple[int, ...], donor: int) -> None:  # the agreement, then the transfer
             then("agree", pids, lambda: rejoin.compile_agree(mesh_of(pids, axis)))
@@ -217,7 +215,7 @@ class Precompiler:
 
     def _compiled_one(self, key: Any, seconds: float) -> None:
         self._done.add(key)
-        program, pids = key if isinstance(key[0], str) else ("step", key)
+        program, pids = key
         self.events.log(Event.PRECOMPILED, program=program, members=list(pids), seconds=round(seconds, 3))
 
     def _pause(self) -> None:
