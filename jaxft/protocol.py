@@ -43,6 +43,9 @@ DROP_WITNESSES = "JAXFT_DROP_WITNESSES"
 # are the others, and the run trains at their number (its width; see jaxft.core.spares)
 SPARES = "JAXFT_SPARES"
 RUN_DIR = "JAXFT_RUN_DIR"
+# jax's persistent compilation cache for runs that set none of their own (InitOptions.compilation_cache):
+# one directory shared across runs, where <run_dir>/xla_cache would start each run empty
+COMPILATION_CACHE = "JAXFT_COMPILATION_CACHE"
 FAULTS = "JAXFT_FAULTS"  # ";"-separated fault specs (see jaxft.faults)
 FAULT_STATE_DIR = "JAXFT_FAULT_STATE_DIR"  # where "rule fired" markers live
 

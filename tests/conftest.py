@@ -20,10 +20,13 @@ def pytest_report_header(config):
 def default_runs_dir(tmp_path_factory):
     """Where launches without ``--run-dir`` put their default run dirs for the whole session
     (``$JAXFT_RUNS_DIR``; helpers.clean_env keeps it): a temporary directory, not
-    ``./jaxft-runs`` in the repository the tests run from."""
+    ``./jaxft-runs`` in the repository the tests run from. The session's runs also share one
+    compilation cache (``$JAXFT_COMPILATION_CACHE``): a program one test compiled, the next
+    loads (a test of a cold cache sets it empty: its run's own)."""
     path = tmp_path_factory.mktemp("jaxft-runs")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(helpers.RUNS_DIR_ENV, str(path))
+        mp.setenv(helpers.CACHE_ENV, str(tmp_path_factory.mktemp("xla-cache")))
         yield path
 
 

@@ -28,6 +28,7 @@ PYTHON = sys.executable
 JAXFT = [PYTHON, "-m", "jaxft.cli"]  # the `jaxft` console script, run by this interpreter
 ALLREDUCE_WORKER = REPO / "tests" / "workers" / "allreduce.py"
 RUNS_DIR_ENV = "JAXFT_RUNS_DIR"  # where launches without --run-dir put their run dirs
+CACHE_ENV = "JAXFT_COMPILATION_CACHE"  # jax's persistent compilation cache the session's runs share
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -35,7 +36,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     ``JAXFT_RUNS_DIR`` (conftest.py points it at a temporary directory: launches without
     ``--run-dir`` must not leave their default run dirs in the repository)."""
     env = {k: v for k, v in os.environ.items()
-           if (not k.startswith("JAXFT_") or k == RUNS_DIR_ENV) and k not in ("XLA_FLAGS", "JAX_PLATFORMS")
+           if (not k.startswith("JAXFT_") or k in (RUNS_DIR_ENV, CACHE_ENV)) and k not in ("XLA_FLAGS", "JAX_PLATFORMS")
            and not k.startswith("XLA_PYTHON_CLIENT_")}
     env["JAX_PLATFORMS"] = "cpu"  # the suite runs on CPU, also on a machine with a GPU
     env["PYTHONUNBUFFERED"] = "1"
@@ -80,14 +81,15 @@ def run_python(code: str, *args, timeout: float = 60, env: dict | None = None) -
 
 
 def launch(num_processes: int, command: Sequence[str], *options: str, run_dir: str | os.PathLike | None = None,
-           timeout: float = 90, console: str = "raw") -> Result:
+           timeout: float = 90, console: str = "raw", env: dict | None = None) -> Result:
     """``jaxft launch -n N --console C [options] [--run-dir R] -- COMMAND``, run to completion.
 
     ``console="raw"`` (the default here) keeps every worker line on stdout, prefixed with its
-    process id, which is what most tests read."""
+    process id, which is what most tests read. ``env``: the launcher's environment (default
+    :func:`clean_env`)."""
     extra = ["--console", console] + (["--run-dir", str(run_dir)] if run_dir is not None else [])
     return run_jaxft("launch", "-n", str(num_processes), *options, *extra, "--", *command,
-                     timeout=timeout)
+                     timeout=timeout, env=env)
 
 
 def events(run_dir: str | os.PathLike) -> list[dict]:

@@ -301,3 +301,31 @@ def test_a_restart_connects_once_its_witnesses_dropped_its_previous_life(tmp_pat
     start = time.time()
     runtime._wait_until_forgotten(env, 1.0, 1)
     assert time.time() - start >= 2.4, "no witnesses: the heartbeat timeout + 1.5 s"
+
+
+CACHE_DIR = r'''
+import json, sys
+import jax
+from jaxft.worker import runtime
+setting, run_dir, env = json.loads(sys.argv[1])
+runtime._configure_compilation_cache(setting, run_dir, env)
+print("CACHE", jax.config.jax_compilation_cache_dir)
+'''
+
+
+@pytest.mark.parametrize("setting,env,expected", [
+    (None, {}, "RUN/xla_cache"),  # the run's own
+    (None, {protocol.COMPILATION_CACHE: "SHARED"}, "SHARED"),  # one across runs
+    (None, {protocol.COMPILATION_CACHE: ""}, "RUN/xla_cache"),  # empty: not set
+    ("MINE", {protocol.COMPILATION_CACHE: "SHARED"}, "MINE"),  # the option wins
+    (False, {protocol.COMPILATION_CACHE: "SHARED"}, "None"),  # off
+    (None, {"JAX_COMPILATION_CACHE_DIR": "JAXS"}, "None"),  # the user's own jax setting: left alone
+])
+def test_the_compilation_cache_directory(tmp_path, setting, env, expected):
+    def real(s):
+        return str(tmp_path / s) if isinstance(s, str) and s and s != "None" else s
+
+    env = {k: real(v) for k, v in env.items()}
+    r = run_python(CACHE_DIR, json.dumps([real(setting), str(tmp_path / "RUN"), env]))
+    assert r.returncode == 0, r.describe()
+    assert f"CACHE {real(expected)}" in r.stdout, r.describe()

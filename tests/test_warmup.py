@@ -4,7 +4,7 @@ the retry runs (no compile left for it), and the background worker's rules."""
 import threading
 import time
 
-from helpers import PYTHON, clean_env, launch, run
+from helpers import CACHE_ENV, PYTHON, clean_env, launch, run
 
 from jaxft.worker import warmup
 
@@ -101,7 +101,8 @@ for name, run in (("rendezvous", lambda: rendezvous.compile_for(devices)()),
 
 
 def test_the_way_back_compiled_ahead_by_process_0_is_loaded_by_every_process(tmp_path):
-    r = launch(2, [PYTHON, "-c", AHEAD], run_dir=tmp_path, timeout=120)
+    # (the run's own cache, empty: not the session's, where earlier tests may have left them)
+    r = launch(2, [PYTHON, "-c", AHEAD], run_dir=tmp_path, timeout=120, env=clean_env(**{CACHE_ENV: ""}))
     assert r.returncode == 0, r.describe()
     seen = sorted(line.split()[-2:] for line in r.stdout.splitlines() if "AHEAD" in line)
     assert seen == sorted([name, "0" if name != "control" else "1"]

@@ -197,7 +197,8 @@ class InitOptions:
     collectives. ``wait_until_forgotten``: a restarted process connects only once the service
     has declared its previous life dead (what ready admission needs). ``compilation_cache``:
     jax's persistent compilation cache, shared by the run's processes (a path; None:
-    ``<run_dir>/xla_cache``; False: off)."""
+    ``$JAXFT_COMPILATION_CACHE``, a directory shared across runs, else ``<run_dir>/xla_cache``;
+    False: off)."""
 
     external_coordinator: bool | None = None
     run_dir: str | None = None

@@ -157,8 +157,9 @@ def initialize(coordinator_address: str | None = None,
     run's processes (a joiner, a restarted process and survivors returning to a width they
     ran before load executables instead of compiling them, CPU executables included;
     measured: docs/benchmarks.md, 'Figures behind the code'); None (default) uses
-    ``<run_dir>/xla_cache`` when there is a run directory and the user set no cache of their
-    own; False turns it off.
+    ``$JAXFT_COMPILATION_CACHE`` (one directory across runs: a relaunch or another run of the
+    same model loads what an earlier one compiled), else ``<run_dir>/xla_cache`` when there is a
+    run directory and the user set no cache of their own; False turns it off.
 
     Must be called before anything starts a JAX backend (``jax.devices()``, any
     computation): XLA reads its flags only once.
@@ -286,10 +287,12 @@ def _configure_compilation_cache(setting: str | bool | None, run_dir: str | None
     """Point jax's persistent compilation cache at a directory the run's processes share."""
     import jax
 
-    if setting is False or (setting is None and (not run_dir or environ.get("JAX_COMPILATION_CACHE_DIR")
-                                                 or jax.config.jax_compilation_cache_dir)):  # type: ignore[attr-defined]
+    shared = environ.get(protocol.COMPILATION_CACHE) or None
+    if setting is False or (setting is None and not shared and (
+            not run_dir or environ.get("JAX_COMPILATION_CACHE_DIR")
+            or jax.config.jax_compilation_cache_dir)):  # type: ignore[attr-defined]
         return
-    path = setting if isinstance(setting, str) else os.path.join(str(run_dir), "xla_cache")
+    path = setting if isinstance(setting, str) else shared or os.path.join(str(run_dir), "xla_cache")
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # small CPU steps too
