@@ -80,6 +80,17 @@ def _kill_vs_fault_free(tmp_path, example: str, steps: str = "30"):
             np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-6, err_msg=k)
 
 
+def test_flax_trainstate_trains_on_every_process(tmp_path):
+    # Its TrainState keeps functions as static data (apply_fn, tx), whose addresses differ from
+    # process to process: every process but 0 was refused as holding another model
+    # (StateMismatch) until the state's signature left the addresses out.
+    proc, ev = train(tmp_path, str(EXAMPLES / "flax_trainstate.py"), "--steps", "6", n=2)
+    assert proc.returncode == 0, proc.describe()
+    f = finals(ev)
+    assert sorted(e["process"] for e in f) == [0, 1] and len({e["params_sha256"] for e in f}) == 1, f
+    assert all(e["members"] == [0, 1] for e in by_event(ev, "commit")), "both trained every step"
+
+
 @pytest.mark.soak  # long: the default suite stays under its time budget
 def test_flax_trainstate_own_step_survives_a_kill(tmp_path):
     _kill_vs_fault_free(tmp_path, "flax_trainstate.py")

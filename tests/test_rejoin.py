@@ -110,3 +110,29 @@ def test_a_backend_a_rebuild_replaced_is_freed_at_its_next_commit(tmp_path):
     f = finals(evts)
     assert sorted((x["process"], x["step"]) for x in f) == [(0, 120), (1, 120), (2, 120)], f
     assert [x["replaced_backends_alive"] for x in f] == [0, 0, 0], f
+
+
+def _closure():
+    def step(x):
+        return x
+    return step
+
+
+def test_a_state_whose_static_data_holds_functions_has_one_signature_in_every_process():
+    # A flax TrainState keeps apply_fn and tx as static data, whose text in the treedef named
+    # each function's address: every process held "another model", and a cold start of three
+    # refused two of them (StateMismatch; examples/flax_trainstate.py). Two closures of one
+    # function: other addresses, one signature; another function or another leaf still differs.
+    import jax
+    import numpy as np
+
+    from jaxft.worker.rejoin import Signature
+
+    def state(fn, shape=(3,)):
+        return {"fn": jax.tree_util.Partial(fn), "w": np.zeros(shape, np.float32)}
+
+    a, b = _closure(), _closure()
+    assert a is not b and "0x" in str(jax.tree_util.tree_structure(state(a)))
+    assert Signature.of(state(a)).digest == Signature.of(state(b)).digest
+    assert Signature.of(state(a)).digest != Signature.of(state(np.tanh)).digest
+    assert Signature.of(state(a)).digest != Signature.of(state(a, (4,))).digest
