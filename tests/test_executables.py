@@ -208,3 +208,49 @@ def test_one_program_per_width_serves_every_device_set_of_that_width():
         assert any(line.startswith(f"({ids}) on [{ids}] ") for line in got["reassign"]), (ids, got)
     assert "compile counters 3 0" in r.stdout, r.describe()
     assert "reassign counters 1 2" in r.stdout, r.describe()  # the retry waited for the warm-up's compile
+
+
+def _closure():
+    def step(x):
+        return x
+    return step
+
+
+def test_processes_name_a_shared_program_alike_whatever_the_addresses_in_its_arguments(tmp_path):
+    # A flax TrainState's functions (static data) print their addresses, which differ from
+    # process to process: the name under which one process wrote a program must be the one
+    # another process reads it by (else each compiled its own, after waiting for the file).
+    import jax
+    import numpy as np
+
+    def args(fn):
+        return ({"fn": jax.tree_util.Partial(fn), "w": np.zeros(3, np.float32)},)
+
+    ex = executables.Executables(str(tmp_path), reference=lambda: "the reference program")
+    ex.name_shared()
+    fa, fb = _closure(), _closure()  # (both alive: two addresses)
+    a, b = executables.key((0, 1), args(fa)), executables.key((0, 1), args(fb))
+    assert a != b  # (in one process: other static data, another program)
+    ex._write(a, executables.Program((b"bytes",), (0, 1), None))
+    assert ex._read(b) is not None
+    assert ex._read(executables.key((0, 2), args(_closure()))) is None  # another mesh: another program
+
+
+def test_a_compile_marker_whose_pid_was_reused_names_a_compile_that_is_gone(tmp_path):
+    # A compile killed in an earlier run leaves its marker in a cache directory shared across
+    # runs ($JAXFT_COMPILATION_CACHE); once its pid belongs to a process started after the
+    # marker was written, nobody waits for it.
+    from jaxft.worker import compile_marks, lives
+
+    program = str(tmp_path / "step.pkl")
+    marker = compile_marks.claim(program)
+    assert marker is not None and compile_marks.claim(program) is None  # one claim at a time
+    owner = compile_marks.owner(program)
+    assert owner == f"{socket.gethostname()} {os.getpid()}"
+    assert not compile_marks.gone(owner, program)  # a live process, which wrote it now: compiling
+    started = lives.started_at(os.getpid())
+    assert started is not None and started <= time.time()
+    os.utime(marker, (started - 60, started - 60))  # written a minute before that process started
+    assert compile_marks.gone(owner, program)
+    assert compile_marks.gone(f"{socket.gethostname()} 999999999", program)  # no such process
+    assert not compile_marks.gone(f"another-host {os.getpid()}", program)  # not known here

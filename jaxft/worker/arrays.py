@@ -7,6 +7,7 @@ the replicated global view of it (:func:`replicate`) and returns a new one, whos
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -82,3 +83,13 @@ def shapes(tree: PyTree) -> PyTree:
     """``tree``'s leaves (numpy or jax arrays, see :func:`canonical`) as ShapeDtypeStructs."""
     return jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype, weak_type=bool(getattr(x, "weak_type", False))), tree)
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # in a default repr: <function f at 0x7f...>, <C object at 0x...>
+
+
+def structure_text(treedef: Any) -> str:
+    """A treedef's text without object addresses, alike in every process: a node's static data
+    (a flax ``TrainState``'s ``apply_fn`` and ``tx``) prints its functions as
+    ``<function f at 0x...>``, an address that differs from process to process."""
+    return _ADDRESS.sub("", str(treedef))

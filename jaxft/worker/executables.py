@@ -24,7 +24,8 @@ instead of compiling beside it (the warm-up compiles one program per width, and 
 needs a width the warm-up is compiling takes its program).
 
 Loading is an optimisation only: any failure to serialize, write, read or load is logged and the program is
-compiled as before. Only the run's own directory is read (a serialized executable can run arbitrary code).
+compiled as before. Only the run's own directory (or the one the user shares across runs) is read: a serialized
+executable can run arbitrary code.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import hashlib
 import logging
 import os
 import pickle
-import socket
 import tempfile
 import threading
 import time
@@ -45,6 +45,8 @@ from typing import Any
 import jax
 
 from jaxft import _compat
+from jaxft.worker import compile_marks
+from jaxft.worker.arrays import structure_text
 
 logger = logging.getLogger(__name__)
 
@@ -262,16 +264,7 @@ class Executables:
 
     def _mark(self, key: Key) -> str | None:
         """Say in the directory that this process compiles ``key`` (None: not sharing)."""
-        if not self._sharing:
-            return None
-        marker = self._path(key) + ".compiling"
-        try:
-            os.makedirs(self._shared, exist_ok=True)
-            with open(marker, "x") as f:
-                f.write(f"{socket.gethostname()} {os.getpid()}")
-        except OSError:  # another process compiles it too (or the directory is read-only)
-            return None
-        return marker
+        return compile_marks.claim(self._path(key)) if self._sharing else None
 
     @property
     def _sharing(self) -> bool:
@@ -283,17 +276,17 @@ class Executables:
         if not self._sharing:
             return None
         path = self._path(key)
-        marker = path + ".compiling"
         start = time.monotonic()
         seen = False
         while True:
             if os.path.exists(path):
                 with self._lock:
                     return self._load(key)
-            owner = _read_text(marker)
+            owner = compile_marks.owner(path)
             seen = seen or owner is not None
             waited = time.monotonic() - start
-            if (not seen and waited > self.appear_s) or waited > self.wait_s or (owner and _gone(owner)):
+            if ((not seen and waited > self.appear_s) or waited > self.wait_s
+                    or (owner and compile_marks.gone(owner, path))):
                 return None
             if seen and owner is None and not os.path.exists(path):
                 return None  # the compile ended without a file (it failed, or could not be shared)
@@ -342,7 +335,7 @@ class Executables:
         return self.directory
 
     def _path(self, key: Key) -> str:
-        name = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+        name = hashlib.sha256(_shared_name(key).encode()).hexdigest()[:24]
         return os.path.join(self._shared, f"step-{self._fingerprint}-{name}.pkl")
 
     def _write(self, key: Key, program: Program) -> None:
@@ -353,7 +346,7 @@ class Executables:
             os.makedirs(self._shared, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self._shared, prefix=".tmp-")
             with os.fdopen(fd, "wb") as f:
-                pickle.dump((repr(key), program), f, protocol=pickle.HIGHEST_PROTOCOL)
+                pickle.dump((_shared_name(key), program), f, protocol=pickle.HIGHEST_PROTOCOL)
             os.replace(tmp, path)  # readers never see half a file
         except Exception as e:  # noqa: BLE001 - e.g. a tree node that does not pickle
             logger.debug("could not share the step program for %s: %s", key[0], e)
@@ -370,7 +363,15 @@ class Executables:
         except Exception as e:  # noqa: BLE001 - a damaged file: compile instead
             logger.warning("unreadable shared step program %s (%s); compiling it", path, e)
             return None
-        return program if stored_key == repr(key) and isinstance(program, Program) else None
+        return program if stored_key == _shared_name(key) and isinstance(program, Program) else None
+
+
+def _shared_name(key: Key) -> str:
+    """``key`` as the processes sharing programs name it: without object addresses (the
+    arguments' static data, such as a flax ``TrainState``'s functions, print them, and they
+    differ from process to process; the reference program's fingerprint in the file's name
+    tells programs of different code apart)."""
+    return structure_text(repr(key))
 
 
 def shared_dir() -> str | None:
@@ -379,22 +380,3 @@ def shared_dir() -> str | None:
     cache = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # (jax's flags: no stubs)
     return os.path.join(cache, "jaxft-steps") if cache else None
 
-
-def _read_text(path: str) -> str | None:
-    with contextlib.suppress(OSError), open(path) as f:
-        return f.read()
-    return None
-
-
-def _gone(owner: str) -> bool:
-    """Whether the process a marker names (``host pid``) is known to be dead (on this host)."""
-    host, _, pid = owner.partition(" ")
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return False

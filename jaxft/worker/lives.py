@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import time
 from typing import Any
 
@@ -114,11 +115,36 @@ def over(life: Life | None, incarnation: int, state_dir: str | None = None) -> s
 def process_started_at() -> float:
     """When this OS process started (epoch seconds; Linux ``/proc``, to ~10 ms after the boot
     time's second), else when this module was first imported."""
+    started = started_at("self")
+    return _IMPORTED_AT if started is None else started
+
+
+def started_at(pid: int | str) -> float | None:
+    """When the local process ``pid`` (or ``"self"``) started, in epoch seconds, up to a second
+    early (the boot time is whole seconds); None where ``/proc`` does not say (no such process,
+    not Linux)."""
     try:
-        with open("/proc/self/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks
         with open("/proc/stat") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
-        return _IMPORTED_AT
+        return None
+
+
+def local_process_gone(owner: str, since: float) -> bool:
+    """Whether the process ``owner`` names (``"host pid"``) is known to be dead: on this host,
+    no such process, or one that started after ``since`` (epoch seconds: its pid reused). On
+    another host nothing is known (False)."""
+    host, _, pid = owner.partition(" ")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    started = started_at(int(pid))
+    return started is not None and started > since + 1.0  # (started_at may be a second early)

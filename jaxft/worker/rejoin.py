@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -31,6 +30,7 @@ from jaxft.errors import StateMismatch
 from jaxft.protocol import Event
 from jaxft.types import PyTree
 from jaxft.worker import kv, transfer
+from jaxft.worker.arrays import structure_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +59,10 @@ class Signature:
 
     @classmethod
     def of(cls, tree: PyTree) -> Signature:
-        """The signature of ``tree``. The treedef's text is taken without object addresses: a
-        node's static data (a flax ``TrainState``'s ``apply_fn`` and ``tx``) prints its functions
-        as ``<function f at 0x...>``, an address that differs from process to process."""
+        """The signature of ``tree`` (its treedef's text without object addresses,
+        :func:`~jaxft.worker.arrays.structure_text`: the same in every process)."""
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-        return cls((f"treedef {_ADDRESS.sub('', str(treedef))}",) + tuple(
+        return cls((f"treedef {structure_text(treedef)}",) + tuple(
             f"{jax.tree_util.keystr(k)}: {np.dtype(getattr(x, 'dtype', np.asarray(x).dtype)).name}{list(np.shape(x))}"
             for k, x in leaves))
 
@@ -85,9 +84,6 @@ class Signature:
         if missing:
             return f"{missing[0]}: absent here, {theirs[missing[0]]} in the members'"
         return "the trees differ"
-
-
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # in a default repr: <function f at 0x7f...>, <C object at 0x...>
 
 
 def _split(lines: tuple[str, ...]) -> list[tuple[str, str]]:
