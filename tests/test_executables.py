@@ -234,6 +234,10 @@ def test_processes_name_a_shared_program_alike_whatever_the_addresses_in_its_arg
     ex._write(a, executables.Program((b"bytes",), (0, 1), None))
     assert ex._read(b) is not None
     assert ex._read(executables.key((0, 2), args(_closure()))) is None  # another mesh: another program
+    # A program's bytes carry its arguments' tree structure: a local function's does not pickle
+    # (a TrainState's optax closures), so nobody waits for its file, which cannot be written.
+    assert not ex._can_share(a, args(fa))
+    assert ex._can_share(executables.key((0, 1), args(np.tanh)), args(np.tanh))
 
 
 def test_a_compile_marker_whose_pid_was_reused_names_a_compile_that_is_gone(tmp_path):

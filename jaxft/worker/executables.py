@@ -117,6 +117,7 @@ class Executables:
         self._compiling: dict[Key, threading.Event] = {}  # being compiled by XLA (never waiting)
         self.reassign: bool | None = None  # load a same-width program for other devices (CPU; None: not known yet)
         self._fingerprint: str | None = None
+        self._pickles: dict[tuple, bool] = {}  # argument signature -> whether its tree structure pickles
         self.loads = 0  # programs loaded from bytes (this process's or shared) instead of compiled
         self.compiles = 0
         self.reassigned = 0  # of the loads: programs compiled for other devices of the same width
@@ -167,7 +168,7 @@ class Executables:
                     break
             busy.wait()  # then look again: loaded, or that compile failed and this thread tries
         try:
-            if not compiler:
+            if not compiler and self._can_share(key, args):
                 exe = self._await_shared(key)
             if exe is None:
                 exe = self._compile(key, fn, args)
@@ -182,7 +183,7 @@ class Executables:
         """Compile ``key``'s program and keep its bytes, unless jax loaded it from its persistent
         cache (serialized again, such a CPU program loses its kernels, see
         :func:`jaxft._compat.compile_fresh`)."""
-        marker = self._mark(key)  # first, so that the others wait for this compile from its start
+        marker = self._mark(key, args)  # first, so that the others wait for this compile from its start
         try:
             lowered = fn.lower(*args)
             if self._fingerprint is None and self.directory is not None:  # now it can read shared ones
@@ -191,7 +192,7 @@ class Executables:
                     exe = self._load(key)
                 if exe is not None:
                     return exe  # its bytes are kept already
-                marker = self._mark(key)
+                marker = self._mark(key, args)
             if self.reassign is None:
                 self.reassign = jax.devices()[0].platform == "cpu"
             module = module_hash(lowered) if self.reassign else None
@@ -262,9 +263,23 @@ class Executables:
         if text is not None:
             self._fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
 
-    def _mark(self, key: Key) -> str | None:
+    def _mark(self, key: Key, args: Sequence[Any]) -> str | None:
         """Say in the directory that this process compiles ``key`` (None: not sharing)."""
-        return compile_marks.claim(self._path(key)) if self._sharing else None
+        return compile_marks.claim(self._path(key)) if self._sharing and self._can_share(key, args) else None
+
+    def _can_share(self, key: Key, args: Sequence[Any]) -> bool:
+        """Whether ``args``' tree structure pickles, as a program's bytes carry it: a flax
+        ``TrainState``'s functions (closures) do not, and then nobody waits for a file that
+        cannot be written."""
+        ok = self._pickles.get(key[1])
+        if ok is None:
+            try:
+                pickle.dumps(jax.tree_util.tree_structure(tuple(args)))
+                ok = True
+            except Exception:  # noqa: BLE001 - pickling fails in many ways (a local function, a lock)
+                ok = False
+            self._pickles[key[1]] = ok
+        return ok
 
     @property
     def _sharing(self) -> bool:
