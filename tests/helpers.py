@@ -22,13 +22,14 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import jaxft
+from jaxft import protocol
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 JAXFT = [PYTHON, "-m", "jaxft.cli"]  # the `jaxft` console script, run by this interpreter
 ALLREDUCE_WORKER = REPO / "tests" / "workers" / "allreduce.py"
 RUNS_DIR_ENV = "JAXFT_RUNS_DIR"  # where launches without --run-dir put their run dirs
-CACHE_ENV = "JAXFT_COMPILATION_CACHE"  # jax's persistent compilation cache the session's runs share
+CACHE_ENV = protocol.COMPILATION_CACHE  # jax's persistent compilation cache the session's runs share
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -90,6 +91,13 @@ def launch(num_processes: int, command: Sequence[str], *options: str, run_dir: s
     extra = ["--console", console] + (["--run-dir", str(run_dir)] if run_dir is not None else [])
     return run_jaxft("launch", "-n", str(num_processes), *options, *extra, "--", *command,
                      timeout=timeout, env=env)
+
+
+def new_function() -> Callable:
+    """A new function object at each call (a closure): one qualified name, another address."""
+    def step(x):
+        return x
+    return step
 
 
 def events(run_dir: str | os.PathLike) -> list[dict]:

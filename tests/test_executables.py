@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from helpers import PYTHON, clean_env, run
+from helpers import PYTHON, clean_env, new_function, run
 
 from jaxft.worker import executables
 
@@ -210,12 +210,6 @@ def test_one_program_per_width_serves_every_device_set_of_that_width():
     assert "reassign counters 1 2" in r.stdout, r.describe()  # the retry waited for the warm-up's compile
 
 
-def _closure():
-    def step(x):
-        return x
-    return step
-
-
 def test_processes_name_a_shared_program_alike_whatever_the_addresses_in_its_arguments(tmp_path):
     # A flax TrainState's functions (static data) print their addresses, which differ from
     # process to process: the name under which one process wrote a program must be the one
@@ -228,12 +222,12 @@ def test_processes_name_a_shared_program_alike_whatever_the_addresses_in_its_arg
 
     ex = executables.Executables(str(tmp_path), reference=lambda: "the reference program")
     ex.name_shared()
-    fa, fb = _closure(), _closure()  # (both alive: two addresses)
+    fa, fb = new_function(), new_function()  # (both alive: two addresses)
     a, b = executables.key((0, 1), args(fa)), executables.key((0, 1), args(fb))
     assert a != b  # (in one process: other static data, another program)
     ex._write(a, executables.Program((b"bytes",), (0, 1), None))
     assert ex._read(b) is not None
-    assert ex._read(executables.key((0, 2), args(_closure()))) is None  # another mesh: another program
+    assert ex._read(executables.key((0, 2), args(new_function()))) is None  # another mesh: another program
     # A program's bytes carry its arguments' tree structure: a local function's does not pickle
     # (a TrainState's optax closures), so nobody waits for its file, which cannot be written.
     assert not ex._can_share(a, args(fa))

@@ -1,7 +1,7 @@
 """Rejoin: restarted processes are rehydrated from a live peer; training returns to full width."""
 
 import pytest
-from helpers import EXACT, MLP, REPO, commits_by_step, finals, train
+from helpers import EXACT, MLP, REPO, commits_by_step, finals, new_function, train
 from helpers import by_event as of
 
 STEPS = 40
@@ -112,12 +112,6 @@ def test_a_backend_a_rebuild_replaced_is_freed_at_its_next_commit(tmp_path):
     assert [x["replaced_backends_alive"] for x in f] == [0, 0, 0], f
 
 
-def _closure():
-    def step(x):
-        return x
-    return step
-
-
 def test_a_state_whose_static_data_holds_functions_has_one_signature_in_every_process():
     # A flax TrainState keeps apply_fn and tx as static data, whose text in the treedef named
     # each function's address: every process held "another model", and a cold start of three
@@ -131,7 +125,7 @@ def test_a_state_whose_static_data_holds_functions_has_one_signature_in_every_pr
     def state(fn, shape=(3,)):
         return {"fn": jax.tree_util.Partial(fn), "w": np.zeros(shape, np.float32)}
 
-    a, b = _closure(), _closure()
+    a, b = new_function(), new_function()
     assert a is not b and "0x" in str(jax.tree_util.tree_structure(state(a)))
     assert Signature.of(state(a)).digest == Signature.of(state(b)).digest
     assert Signature.of(state(a)).digest != Signature.of(state(np.tanh)).digest
