@@ -202,9 +202,12 @@ def test_a_restart_whose_peer_trains_on_puts_off_its_restore_and_is_rehydrated(t
 
 
 def test_a_restart_whose_peers_finished_meanwhile_exits_without_training(tmp_path):
-    """The restart of process 1 puts off its restore (process 0 trains on) and starts its run
-    while process 0 is in its last step (held there by a hang); process 0 then finishes. The
-    restart must not train alone: it exits 0 having committed nothing. (Here it learns of the
+    """Process 1 dies in the run's last step; its restart puts off its restore (process 0 trains
+    on) and starts its run while process 0, which committed that step alone, is held after the
+    commit by a hang; process 0 then finishes. The restart must not train alone: it exits 0
+    having committed nothing. (The kill is in the last step so that no step is left to admit the
+    restart to, however fast it comes back: with a kill three steps earlier, a restart that loaded
+    its programs from a warm compilation cache was admitted once. Here it learns of the
     finish while it waits to be admitted. In the soak's seed 3, session 17, a restart looked
     for the finish just before it was marked and found the members gone a moment later: its
     cold start restored the run's last checkpoint and trained past the run's end, a final at
@@ -214,7 +217,8 @@ def test_a_restart_whose_peers_finished_meanwhile_exits_without_training(tmp_pat
     steps = 12
     proc, ev = launch(tmp_path / "run", "--steps", str(steps), "--checkpoint_every", str(EVERY),
                       "--checkpoint_dir", str(tmp_path / "ckpt"),
-                      faults=["kill:process=1:step=8", f"hang:process=0:step={steps - 1}:phase=after-commit:for=8s"])
+                      faults=[f"kill:process=1:step={steps - 1}",
+                              f"hang:process=0:step={steps - 1}:phase=after-commit:for=8s"])
     assert proc.returncode == 0, _tail(proc)
     assert helpers.by_event(ev, "restore_deferred", process=1, incarnation=1), _tail(proc)
     assert helpers.too_late_to_rejoin(ev, 1), _tail(proc)
