@@ -70,6 +70,14 @@ fi
 python312=$(find_python312) || python312=""
 [ -n "$python312" ] || log "no Python 3.12 interpreter found; the smoke run on 3.12 is skipped"
 
+# The suites run on $JAXFT_TEST_WORKERS pytest-xdist workers (default 2), one test file per
+# worker at a time (--dist loadfile: a file's tests share its module fixtures and its figures
+# file). A multi-process test mostly waits (heartbeats, deadlines, restarts), so two of them at
+# once fit two cores. JAXFT_TEST_WORKERS=0: one process, the tests one by one.
+workers=${JAXFT_TEST_WORKERS:-2}
+xdist=(-n "$workers")
+[ "$workers" = 0 ] || xdist+=(--dist loadfile)
+
 status=0
 # The 3.12 environment is set up alongside the 3.11 one (two mostly single-threaded installs),
 # and finished before any test runs: the tests' timing must not share the cores with pip.
@@ -97,7 +105,7 @@ if [ "$setup311_ok" = 1 ]; then
     .venv/bin/python -m mkdocs build --strict --site-dir "$docs_site" || status=1
     rm -rf "$docs_site"
     log "full suite on $(.venv/bin/python --version 2>&1)"
-    .venv/bin/python -m pytest --durations=25 "$@" || status=1
+    .venv/bin/python -m pytest "${xdist[@]}" --durations=25 "$@" || status=1
 else
     log "FAILED to set up .venv"
     status=1
@@ -106,7 +114,7 @@ fi
 if [ -n "$python312" ]; then
     if [ "$setup312_ok" = 1 ]; then
         log "smoke subset on $(.venv312/bin/python --version 2>&1)"
-        .venv312/bin/python -m pytest -q -m smoke || status=1
+        .venv312/bin/python -m pytest "${xdist[@]}" -q -m smoke || status=1
     else
         log "FAILED to set up .venv312"
         status=1
