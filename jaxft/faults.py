@@ -16,8 +16,10 @@ A fault spec is ``ACTION:key=value:...``:
 * phase ``in-step``: inside the atomic step, right before this process launches the step's
   program: a kill there leaves the other members waiting in the step's all-reduce.
 * phases ``before-save`` (checkpoint ``step`` is due and this process has not begun it:
-  a kill there leaves the others in the save's blocking barriers) and ``during-save``
-  (its async save has started); ``during-rehydrate`` (the members agreed who is behind and who donates; the state
+  a kill there leaves the others in the save's blocking barriers), ``during-save``
+  (its async save has started) and ``before-publish`` (in the save's background phase: every
+  member's writes are done, and the primary has yet to publish);
+  ``during-rehydrate`` (the members agreed who is behind and who donates; the state
   has not moved yet: fires in the donor, the joiners and bystanders, with the step the
   process holds) and ``during-restore`` (a cold restore read the checkpoint, nothing
   adopted yet; ``step`` is the checkpoint's); ``admitted`` (a restarted process in the step
@@ -56,7 +58,8 @@ from jaxft.errors import FaultSpecError
 
 ACTIONS = ("kill", "kill-all", "stop", "hang")
 PHASES = ("before-step", "in-step", "after-grad", "after-commit", "before-save", "during-save", "during-rehydrate",
-          "during-restore", "admitted", "restore-deferred", "in-commit", "admitting", "during-rebuild", "ready")
+          "during-restore", "admitted", "restore-deferred", "in-commit", "admitting", "during-rebuild", "ready",
+          "before-publish")
 FROM_STEP_PHASES = ("admitting", "during-rebuild")  # step=K: "at the first such point from step K on"
 IN_COMMIT_DELAY_S = 0.1  # an in-commit rule fires this long after the query is handed to its thread
 DEFAULT_PHASE = "after-grad"

@@ -323,6 +323,30 @@ def test_kill_during_save_never_leaves_a_partial_checkpoint(tmp_path, reference,
           f"victim restored {r}; run took {proc.elapsed:.1f} s")
 
 
+def test_a_member_that_gave_up_on_a_dead_member_reports_what_the_primary_published(tmp_path):
+    """Process 2 dies once every member's writes of checkpoint 10 are done (Orbax's write
+    barrier passed), before the primary publishes. Process 1 gives up on it at Orbax's commit
+    barrier, while the primary (process 0, held 3 s there) has all it needs to publish, and
+    does. Process 1 must report what the primary did, not ``checkpoint_abandoned`` (it did, 30
+    ms before the primary published, in a clean-clone CI run). (15 steps: a checkpoint 20
+    published meanwhile would remove 10's unpublished directory, as superseded.)"""
+    ckpt = tmp_path / "ckpt"
+    proc, ev = launch(tmp_path / "run", "--steps", "15", "--checkpoint_every", "10", "--checkpoint_dir", str(ckpt),
+                      n=3, restart="never", faults=["kill:process=2:step=10:phase=before-publish",
+                                                    "hang:process=0:step=10:phase=before-publish:for=3s"])
+    assert proc.returncode == 1, _tail(proc)  # process 2 died and was not restarted
+    (held,) = helpers.by_event(ev, "fault", process=0, phase="before-publish")
+    (saved,) = helpers.by_event(ev, "checkpoint_saved", process=0, step=10)
+    (died,) = helpers.by_event(ev, "exit", process=2)
+    assert saved["time"] > held["time"] + 2.5 > died["time"], (held, saved, died)  # published late
+    assert not helpers.by_event(ev, "checkpoint_abandoned"), _tail(proc)
+    (seen,) = helpers.by_event(ev, "checkpoint_saved", process=1, step=10)
+    assert seen["time"] >= saved["time"], (seen, saved)
+    check = _verify_dir(str(ckpt))
+    assert check["ok"] == [10] == check["steps"], check
+    assert sorted(f["process"] for f in helpers.by_event(ev, "final")) == [0, 1], _tail(proc)
+
+
 @pytest.mark.soak  # long: the default suite stays under its time budget
 def test_live_subset_without_process_0_saves_complete_checkpoints(tmp_path, reference):
     """Process 0 dies for good: process 1 alone is the primary and writes everything

@@ -251,6 +251,10 @@ class KVBarrier:
                     f"({self.timeouts.describe(self.options.dead_after)})")
         return None
 
+    def gone(self, process: int) -> str | None:
+        """Why member ``process`` is dead, by the barrier's own signs (see the class docstring), or None."""
+        return self._dead(client(), process, time.monotonic())
+
     def _cancel_reason(self, missing: frozenset[int] | None) -> str:
         """Why a barrier whose ``cancel`` is set gives up: the dead the canceller named
         (:class:`jaxft.worker.deaths.Canceller`), else those still missing, else no names."""

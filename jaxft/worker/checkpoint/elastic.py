@@ -107,7 +107,8 @@ class ElasticCheckpointer:
         self.faults = runtime.faults if runtime is not None else None
         timeouts = timeouts or (runtime.timeouts if runtime is not None else None)
         self.store = CheckpointStore(directory, keep=options.keep,
-                                     events=runtime.events if runtime is not None else None, timeouts=timeouts)
+                                     events=runtime.events if runtime is not None else None, timeouts=timeouts,
+                                     faults=self.faults)
         self.events: EventLog = self.store.events
         self.metadata = dict(options.metadata or {})
         if data is not None:  # data order and position are functions of (seed, step) here

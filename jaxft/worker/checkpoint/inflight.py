@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from jaxft.protocol import Event
+from jaxft.worker import kv
 from jaxft.worker.checkpoint import managers, orbax
 
 if TYPE_CHECKING:
@@ -68,6 +69,14 @@ class SaveKey:
         """The key-value namespace of the save's background-phase barriers."""
         return f"{BARRIER_NAMESPACE}/{self.prefix}"
 
+    @property
+    def outcome_key(self) -> str:
+        """Where the save's primary writes its outcome (:data:`PUBLISHED` or why not)."""
+        return f"{self.namespace}/outcome"
+
+
+PUBLISHED = "published"
+
 
 class _Save:
     """One async save: its manager, its cancel flag, and a watcher that logs the outcome."""
@@ -115,17 +124,14 @@ class _Save:
         while True:
             ended = not waiter.is_alive()
             if self.ok is None and managers.is_finalized(self.path):
-                self.ok = True
-                self.store.events.log(Event.CHECKPOINT_SAVED, step=self.step, path=self.path,
-                                      blocking_ms=self.blocking_ms,
-                                      write_ms=round((time.perf_counter() - self.t0) * 1000, 2),
-                                      processes=list(self.members), primary=primary)
-                if primary:
-                    managers.remove_stale_tmp(self.store.directory, self.step)
+                self._published(primary)
             if ended:
                 break
             waiter.join(delay)
             delay = min(delay * 1.5, 0.1)
+        if self.ok is None and not primary and self.barrier is not None and self.barrier.written:
+            self.barrier.abandon(_root_cause(self._error) if self._error is not None else "not published")
+            self._await_primary()
         if self.ok is None:
             self.ok = False
             self.reason = _root_cause(self._error) if self._error is not None else "not published"
@@ -134,18 +140,60 @@ class _Save:
             logger.info("checkpoint %s abandoned: %s", self.path, self.reason)
             self.store.events.log(Event.CHECKPOINT_ABANDONED, step=self.step, path=self.path, reason=self.reason,
                                   blocking_ms=self.blocking_ms, processes=list(self.members))
+        if primary and len(self.members) > 1:
+            self._tell_outcome()
         orbax.close_quietly(self.mgr)
         self.done.set()
 
-    def lost_member(self, members: Sequence[int], incarnations: Mapping[int, int] | None) -> bool:
-        """Whether a member of this save is dead (absent, or restarted) in the new member map."""
+    def _published(self, primary: bool) -> None:
+        self.ok = True
+        self.store.events.log(Event.CHECKPOINT_SAVED, step=self.step, path=self.path, blocking_ms=self.blocking_ms,
+                              write_ms=round((time.perf_counter() - self.t0) * 1000, 2),
+                              processes=list(self.members), primary=primary)
+        if primary:
+            managers.remove_stale_tmp(self.store.directory, self.step)
+
+    def _tell_outcome(self) -> None:
+        """The primary's outcome, for the members whose own part ended first (:meth:`_await_primary`)."""
+        try:
+            kv.client().key_value_set(self.key.outcome_key, PUBLISHED if self.ok else f"not published: {self.reason}",
+                                      allow_overwrite=True)
+        except Exception:  # noqa: BLE001 - best effort: they also watch the directory and the primary's life
+            pass
+
+    def _await_primary(self) -> None:
+        """This member's part ended (it gave up on a member that died, say) before it saw the
+        publish, once every member's writes were done: the primary may publish all the same (it
+        needs nobody else for that). Waits for the publish, the primary's word
+        that it will not, or the primary's death (at most ``Timeouts.save``), so that this member
+        reports what the primary did (it reported ``checkpoint_abandoned`` for a checkpoint the
+        primary published 30 ms later, in a CI run)."""
+        primary = self.members[0]
+        deadline = time.monotonic() + self.store.timeouts.save
+        delay = 0.01
+        while time.monotonic() < deadline:
+            if managers.is_finalized(self.path):
+                self._published(False)
+                return
+            word = kv.try_get(self.key.outcome_key)
+            if word is not None:
+                if word == PUBLISHED:
+                    self._published(False)
+                return
+            try:
+                if self.barrier is None or self.barrier.gone(primary) is not None:
+                    return
+            except Exception:  # noqa: BLE001 - the service is gone: nobody can tell
+                return
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.2)
+
+    def lost_members(self, members: Sequence[int], incarnations: Mapping[int, int] | None) -> set[int]:
+        """The members of this save that are dead (absent, or restarted) in the new member map."""
         current = set(members)
-        for p in self.members:
-            if p not in current:
-                return True
-            if incarnations and p in self.incarnations and incarnations.get(p) != self.incarnations[p]:
-                return True
-        return False
+        return {p for p in self.members
+                if p not in current or (incarnations and p in self.incarnations
+                                        and incarnations.get(p) != self.incarnations[p])}
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)

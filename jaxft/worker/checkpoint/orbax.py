@@ -35,11 +35,13 @@ Internals that remain, and why (no public equivalent in 0.12.8)
    process index, which a restarted process shares.) Replace with a per-manager
    operation-id namespace option.
 4. **Orbax's barrier names** ``async_commit_complete`` (the async checkpointer, after
-   the primary published) and ``ThreadSaveMultiHostValueHolder:set_value_start`` (the
+   the primary published), ``async_write_complete`` (every member's writes done, before the
+   primary publishes) and ``ThreadSaveMultiHostValueHolder:set_value_start`` (the
    manager's save-in-progress flag, reset in a ``finally`` of ``_finalize``):
    :class:`SaveBarrier` recognises them so that a process whose background phase failed
-   says so at once instead of letting its peers wait until their timeout. Replace with
-   an error callback of the async checkpointer (or a barrier fn that is told failures).
+   says so at once instead of letting its peers wait until their timeout, and fires the
+   ``before-publish`` fault point once the writes are done. Replace with an error callback
+   of the async checkpointer (or a barrier fn that is told failures).
 5. **``CheckpointManager._checkpointer.close()``** in :func:`close_quietly`, only when
    ``close()`` itself raised (a failed save re-raises there): the checkpointer's threads
    must still be released. Replace with a ``close()`` that does not re-raise.
@@ -109,6 +111,7 @@ from jaxft.worker import kv
 
 # Orbax barrier names (orbax-checkpoint 0.12.x; item 4 of the module docstring).
 COMMIT_KEY = "async_commit_complete"  # after the primary published (background thread)
+WRITTEN_KEY = "async_write_complete"  # every member's writes done, before the primary publishes
 FINALIZE_KEY = "ThreadSaveMultiHostValueHolder:set_value_start"  # save-in-progress flag (2nd: finalize)
 
 
@@ -245,9 +248,11 @@ class SaveBarrier(kv.KVBarrier):
     abandoned_error = SaveAbandoned
 
     def __init__(self, namespace: str, processes: Sequence[int], me: int, cancel, *, timeouts: Timeouts,
-                 lives: Mapping[int, int] | None = None):
+                 lives: Mapping[int, int] | None = None, written: Callable[[], None] | None = None):
         super().__init__(namespace, processes, me, cancel, timeouts=timeouts, options=SAVE_BARRIER, lives=lives)
         self.committed = False  # passed Orbax's "async_commit_complete" barrier
+        self.written = False  # passed "async_write_complete": only the primary's publish is left
+        self._written = written  # called then (a fault point)
 
     def _arriving(self, key: str, n: int) -> None:
         if FINALIZE_KEY in key and n >= 1 and not self.committed:
@@ -258,6 +263,10 @@ class SaveBarrier(kv.KVBarrier):
     def _passed(self, key: str, n: int) -> None:
         if COMMIT_KEY in key:
             self.committed = True
+        elif WRITTEN_KEY in key:
+            self.written = True
+            if self._written is not None:
+                self._written()
 
 
 # -- 5. a manager's checkpointer, released when close() re-raises ------------------------------

@@ -38,6 +38,7 @@ import numpy as np
 from jaxft import timeouts as timeouts_lib
 from jaxft.errors import CheckpointDirectoryError, CheckpointError, CheckpointRejected
 from jaxft.events import EventLog
+from jaxft.faults import FaultInjector
 from jaxft.protocol import Event
 from jaxft.timeouts import Timeouts
 from jaxft.types import PyTree
@@ -88,8 +89,9 @@ class CheckpointStore:
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep: int | None = 3, events: EventLog | None = None,
-                 process_id: int | None = None, timeouts: Timeouts | None = None):
+                 process_id: int | None = None, timeouts: Timeouts | None = None, faults: FaultInjector | None = None):
         self.timeouts = timeouts or timeouts_lib.current()
+        self.faults = faults  # (the primary's ``before-publish`` fault point)
         self.directory = os.path.abspath(os.fspath(directory))
         self.keep = keep
         self.process_id = jax.process_index() if process_id is None else process_id
@@ -112,8 +114,10 @@ class CheckpointStore:
 
     # -- saving -------------------------------------------------------------------------
     def _manager(self, key: SaveKey, cancel: threading.Event, before_commit: Callable[[], None] | None):
+        faults = self.faults
+        written = None if faults is None else lambda: faults.point("before-publish", key.step)
         barrier = orbax.SaveBarrier(key.namespace, key.members, self.process_id, cancel,
-                                    timeouts=self.timeouts, lives=key.incarnations)
+                                    timeouts=self.timeouts, lives=key.incarnations, written=written)
         mgr = managers.save_manager(self.directory, key.members, key.prefix, keep=self.keep, barrier=barrier,
                                     async_timeout_s=self.timeouts.save, before_commit=before_commit)
         return mgr, barrier
@@ -226,7 +230,11 @@ class CheckpointStore:
     def notice_members(self, members: Sequence[int], incarnations: Mapping[int, int] | None = None) -> None:
         """Abandon in-flight saves that wait for a process no longer alive (call at each commit)."""
         for s in [self._current, *self._detached]:
-            if s is not None and not s.done.is_set() and not s.cancel.is_set() and s.lost_member(members, incarnations):
+            if s is None or s.done.is_set() or s.cancel.is_set():
+                continue
+            lost = s.lost_members(members, incarnations)
+            if lost:
+                s.cancel.dead = lost  # type: ignore[attr-defined]  # named when its barrier gives up
                 s.cancel.set()
 
     def poll(self) -> None:
