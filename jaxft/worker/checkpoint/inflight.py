@@ -165,13 +165,14 @@ class _Save:
         """This member's part ended (it gave up on a member that died, say) before it saw the
         publish, once every member's writes were done: the primary may publish all the same (it
         needs nobody else for that). Waits for the publish, the primary's word
-        that it will not, or the primary's death (at most ``Timeouts.save``), so that this member
+        that it will not, or the primary's death (at most until ``Timeouts.save`` after the save
+        began, the bound of the primary's own background phase, and 1 s), so that this member
         reports what the primary did (it reported ``checkpoint_abandoned`` for a checkpoint the
         primary published 30 ms later, in a CI run)."""
         primary = self.members[0]
-        deadline = time.monotonic() + self.store.timeouts.save
+        deadline = max(self.t0 + self.store.timeouts.save, time.perf_counter() + 1.0)
         delay = 0.01
-        while time.monotonic() < deadline:
+        while time.perf_counter() < deadline:
             if managers.is_finalized(self.path):
                 self._published(False)
                 return

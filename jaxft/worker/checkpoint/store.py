@@ -91,7 +91,7 @@ class CheckpointStore:
     def __init__(self, directory: str | os.PathLike, *, keep: int | None = 3, events: EventLog | None = None,
                  process_id: int | None = None, timeouts: Timeouts | None = None, faults: FaultInjector | None = None):
         self.timeouts = timeouts or timeouts_lib.current()
-        self.faults = faults  # (the primary's ``before-publish`` fault point)
+        self.faults = faults  # (the ``before-publish`` fault point, in the save's background phase)
         self.directory = os.path.abspath(os.fspath(directory))
         self.keep = keep
         self.process_id = jax.process_index() if process_id is None else process_id
