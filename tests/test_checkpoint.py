@@ -350,6 +350,25 @@ def test_a_member_that_gave_up_on_a_dead_member_reports_what_the_primary_publish
     assert sorted(f["process"] for f in helpers.by_event(ev, "final")) == [0, 1], _tail(proc)
 
 
+def test_a_save_superseded_while_its_primary_is_held_says_so(tmp_path):
+    """As above, but the primary is held 8 s and the run goes on to checkpoint 20, which the
+    two survivors publish first (a save of another member set: it does not wait for 10's).
+    Its publication removes 10's unpublished files; 10 then fails on a missing file. Both
+    members report it abandoned and say why: superseded by checkpoint 20 (the reason was a
+    bare ``FileNotFoundError``)."""
+    ckpt = tmp_path / "ckpt"
+    proc, ev = launch(tmp_path / "run", "--steps", "20", "--checkpoint_every", "10", "--checkpoint_dir", str(ckpt),
+                      n=3, restart="never", faults=["kill:process=2:step=10:phase=before-publish",
+                                                    "hang:process=0:step=10:phase=before-publish:for=8s"])
+    assert proc.returncode == 1, _tail(proc)
+    for p in (0, 1):
+        (abandoned,) = helpers.by_event(ev, "checkpoint_abandoned", process=p, step=10)
+        assert "superseded by checkpoint 20" in abandoned["reason"], abandoned
+        assert helpers.by_event(ev, "checkpoint_saved", process=p, step=20), _tail(proc)
+    check = _verify_dir(str(ckpt))
+    assert check["ok"] == [20] == check["steps"] and check["tmp"] == [], check
+
+
 @pytest.mark.soak  # long: the default suite stays under its time budget
 def test_live_subset_without_process_0_saves_complete_checkpoints(tmp_path, reference):
     """Process 0 dies for good: process 1 alone is the primary and writes everything

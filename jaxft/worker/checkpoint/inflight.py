@@ -100,6 +100,7 @@ class _Save:
         self.ok: bool | None = None
         self.reason: str | None = None
         self._error: BaseException | None = None
+        self._primary_word: str | None = None  # the primary's outcome when it did not publish
         # Not daemon threads: they may call into the distributed client (gRPC), and a daemon
         # thread caught in such a call at interpreter teardown aborts the process. They end
         # when Orbax's own (non-daemon) save threads end, which are bounded.
@@ -135,6 +136,13 @@ class _Save:
         if self.ok is None:
             self.ok = False
             self.reason = _root_cause(self._error) if self._error is not None else "not published"
+            if self._primary_word is not None:
+                self.reason += f"; the primary: {self._primary_word}"
+            # A newer checkpoint published meanwhile removed this one's files (managers.remove_stale_tmp):
+            # the error above is about them, the reason is this.
+            newer = managers.newest_published_after(self.store.directory, self.step)
+            if newer is not None:
+                self.reason = f"superseded by checkpoint {newer}, published meanwhile; {self.reason}"
             if self.barrier is not None:  # e.g. a write error here: peers must not wait for us
                 self.barrier.abandon(self.reason)
             logger.info("checkpoint %s abandoned: %s", self.path, self.reason)
@@ -180,6 +188,8 @@ class _Save:
             if word is not None:
                 if word == PUBLISHED:
                     self._published(False)
+                else:
+                    self._primary_word = word
                 return
             try:
                 if self.barrier is None or self.barrier.gone(primary) is not None:

@@ -131,6 +131,16 @@ def remove_stale_tmp(directory: str, published_step: int) -> None:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
+def newest_published_after(directory: str, step: int) -> int | None:
+    """The newest published step of ``directory`` after ``step``, if any (one listing)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return None
+    newer = sorted((int(n) for n in names if n.isdigit() and int(n) > step), reverse=True)
+    return next((n for n in newer if is_finalized(os.path.join(directory, str(n)))), None)
+
+
 def is_finalized(path: str) -> bool:
     """Whether ``path`` is a published (finalized) Orbax step directory."""
     try:
