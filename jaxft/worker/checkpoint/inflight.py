@@ -130,12 +130,13 @@ class _Save:
                 break
             waiter.join(delay)
             delay = min(delay * 1.5, 0.1)
+        cause = _root_cause(self._error) if self._error is not None else "not published"
         if self.ok is None and not primary and self.barrier is not None and self.barrier.written:
-            self.barrier.abandon(_root_cause(self._error) if self._error is not None else "not published")
+            self.barrier.abandon(cause)  # (peers must not wait for us meanwhile)
             self._await_primary()
         if self.ok is None:
             self.ok = False
-            self.reason = _root_cause(self._error) if self._error is not None else "not published"
+            self.reason = cause
             if self._primary_word is not None:
                 self.reason += f"; the primary: {self._primary_word}"
             # A newer checkpoint published meanwhile removed this one's files (managers.remove_stale_tmp):
