@@ -8,7 +8,7 @@ name them without loading jax.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 
 class Error(Exception):
@@ -56,9 +56,11 @@ class BarrierAbandoned(Error, RuntimeError):
 class StepFailed(Error, RuntimeError):
     """A step failed on every member because processes died or restarted during it."""
 
-    def __init__(self, failed: Iterable[int], cause: BaseException | None):
+    def __init__(self, failed: Iterable[int], cause: BaseException | None, noticed: Mapping[int, str] | None = None):
         self.failed = tuple(sorted(set(failed)))
         self.cause = cause
+        # failed process -> how this member knew it was dead (those not in it: the service said)
+        self.noticed = {p: why for p, why in (noticed or {}).items() if p in self.failed}
         why = f"{type(cause).__name__}: {str(cause).splitlines()[0][:200]}" if cause else "membership changed"
         super().__init__(f"step failed; processes {list(self.failed)} failed ({why})")
 

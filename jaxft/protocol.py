@@ -9,12 +9,15 @@ crosses between them:
   its launcher (it connected, it committed a step), and the deaths the launcher records for
   the members (:func:`record_death`); fault markers live beside them (:mod:`jaxft.faults`);
 * **exit codes** with a meaning of their own (``EXIT_*``);
+* **a life's record in the coordination service** (:data:`LIFE_PREFIX`), which the launcher's
+  retire helper overwrites for a dead life (:func:`life_record`);
 * **events** the workers and the launcher log to the run's ``events.jsonl`` (:class:`Event`), which
   the console, ``jaxft report`` and the goodput table read.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -192,6 +195,21 @@ def recorded_deaths(state_dir: str) -> dict[int, float]:
         if p.isdigit() and t is not None:
             out[int(p)] = max(out.get(int(p), 0.0), t)
     return out
+
+
+# -- a life's record in the coordination service (worker, and the launcher's retire helper) -------
+
+LIFE_PREFIX = "jaxft/life/"  # jaxft/life/<process>: its newest life (jaxft.worker.lives)
+
+
+def life_record(incarnation: int, nonce: str, launch: int | None, retired: bool = False) -> str:
+    """The value of a life's record: its service incarnation, heartbeat nonce and launcher
+    incarnation; ``retired``: written by the launcher's helper for a life it saw die, naming
+    the new incarnation it gave the process (:mod:`jaxft.supervisor.retire`)."""
+    value: dict[str, object] = {"incarnation": int(incarnation), "nonce": nonce, "launch": launch}
+    if retired:
+        value["retired"] = True
+    return json.dumps(value)
 
 
 # -- an agent's heartbeat (agent -> ``jaxft slurm``) --------------------------------------------------

@@ -193,8 +193,8 @@ def test_a_member_stops_waiting_for_a_process_that_registered_a_newer_life(tmp_p
     w.LIVES_CHECK_S = 0.05
     registered = {0: lives_lib.Life(0, 10, "a", 0), 1: lives_lib.Life(1, 21, "b", 1), 2: lives_lib.Life(2, 12, "c", 0)}
     monkeypatch.setattr(deaths.lives_lib, "all_current", lambda client=None: registered)
-    assert w.restarted([0, 1, 2], {0: 10, 1: 11, 2: 12}) == {1}
-    assert w.restarted([0, 1, 2], {0: 10, 1: 21, 2: 12}) == set()  # (the life expected is the registered one)
+    assert set(w.restarted([0, 1, 2], {0: 10, 1: 11, 2: 12})) == {1}
+    assert w.restarted([0, 1, 2], {0: 10, 1: 21, 2: 12}) == {}  # (the life expected is the registered one)
     asked, release = [], threading.Event()
 
     def query(pids):
@@ -207,8 +207,36 @@ def test_a_member_stops_waiting_for_a_process_that_registered_a_newer_life(tmp_p
     try:
         assert w.live_nodes(query, [0, 1, 2], lives={0: 10, 1: 11, 2: 12}) == {0: 10, 2: 12}
         assert asked == [[0, 1, 2], [0, 2]]
+        assert w.noticed == {1: "process 1 restarted (a new life registered; the one in this member map is over)"}
     finally:
         release.set()
+
+
+def test_a_member_on_another_node_stops_waiting_for_a_life_its_launcher_retired(tmp_path, monkeypatch):
+    # Process 1 died on another node: no death record here, but its launcher's helper wrote
+    # the new incarnation it gave 1 in the service as 1's life record, marked retired
+    # (jaxft.worker.lives.record_retired). A member waiting for 1's old life reads it and asks
+    # again without 1, and says how it knew.
+    w = deaths.DeathWatch(str(tmp_path))  # (this node's records: none)
+    w.LIVES_CHECK_S = 0.05
+    registered = {0: lives_lib.Life(0, 10, "a", 0), 1: lives_lib.Life(1, 99, "", 3, retired=True)}
+    monkeypatch.setattr(deaths.lives_lib, "all_current", lambda client=None: registered)
+    release = threading.Event()
+
+    def query(pids):
+        if 1 in pids:
+            release.wait(10)
+            raise TimeoutError("released")
+        return {0: 10}
+
+    try:
+        assert w.live_nodes(query, [0, 1], lives={0: 10, 1: 11}) == {0: 10}
+        assert w.noticed == {1: "process 1's launcher saw it exit (it retired that life in the service)"}
+    finally:
+        release.set()
+    # the placeholder life itself is over too (it never heartbeats); a restart's record is not
+    assert lives_lib.over(registered[1], 99) == "process 1's life was retired by its launcher"
+    assert lives_lib.over(lives_lib.Life(1, 100, "n", 4), 100) is None
 
 
 def test_a_tripwire_fires_once_per_arming_for_a_member_recorded_dead(tmp_path, wakeups):

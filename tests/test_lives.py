@@ -14,6 +14,7 @@ WORKER = str(REPO / "tests" / "workers" / "lives.py")
 
 @pytest.mark.parametrize("mode, restart, why", [
     ("records", "never", "the launcher recorded process 1's exit"),
+    ("retired", "never", "process 1's launcher saw it exit (it retired that life in the service)"),
     pytest.param("restart", "on-failure", "process 1 restarted", marks=pytest.mark.smoke),
     ("heartbeat", "never", "process 1 stopped heartbeating"),
 ])

@@ -22,10 +22,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-from helpers import REPO, clean_env, free_port, wait_for
+from helpers import EXACT, REPO, clean_env, free_port, wait_for
 from helpers import events as read_events
 from netns import Hosts, hosts
 
@@ -47,8 +48,10 @@ def _env(**extra: str) -> dict[str, str]:
 class Job:
     """The coordinator in the root namespace and one agent per host."""
 
-    def __init__(self, h: Hosts, run_dir: Path, worker_args: tuple[str, ...] = ()):
+    def __init__(self, h: Hosts, run_dir: Path, worker_args: tuple[str, ...] = (), *, nodes: int = NODES,
+                 per_node: int = PER_NODE, spares: int = 0, worker: list[str] = WORKER):
         self.h, self.run_dir, self.worker_args = h, run_dir, worker_args
+        self.nodes, self.per_node, self.spares, self.worker = nodes, per_node, spares, worker
         self.port = free_port()
         self.address = f"{h.gateway}:{self.port}"
         self.coordinator: subprocess.Popen | None = None
@@ -63,14 +66,15 @@ class Job:
 
     def start_coordinator(self) -> None:
         self.coordinator = self._popen(["jaxft", "coordinator", "--bind", self.h.gateway, "--port", str(self.port),
-                                        "--num-processes", str(NODES * PER_NODE), "--heartbeat-timeout",
-                                        str(HEARTBEAT)], _env(), "coordinator")
+                                        "--num-processes", str(self.nodes * (self.per_node + self.spares)),
+                                        "--heartbeat-timeout", str(HEARTBEAT)], _env(), "coordinator")
 
-    def start_agent(self, node: int) -> None:
-        agent = ["jaxft", "launch", "--nnodes", str(NODES), "--node-rank", str(node), "--coordinator", self.address,
-                 "--restart", "on-failure", "--run-dir", self.run_dir, "-n", str(PER_NODE), "--gpus", "none",
-                 "--gloo-interface", "eth0", "--heartbeat-timeout", str(HEARTBEAT), "--max-restarts", "20", "--",
-                 *WORKER, *self.worker_args, "--final_params", self.run_dir / "final"]
+    def start_agent(self, node: int, *options: str) -> None:
+        agent = ["jaxft", "launch", "--nnodes", str(self.nodes), "--node-rank", str(node), "--coordinator",
+                 self.address, "--restart", "on-failure", "--run-dir", self.run_dir, "-n", str(self.per_node),
+                 "--gpus", "none", "--gloo-interface", "eth0", "--heartbeat-timeout", str(HEARTBEAT),
+                 "--max-restarts", "20", "--spares", str(self.spares), *options, "--", *self.worker, *self.worker_args,
+                 "--final_params", self.run_dir / "final"]
         self.agents[node].append(self._popen(self.h.command(node, agent), _env(),
                                              f"agent{node}.{len(self.agents[node])}"))
 
@@ -113,15 +117,15 @@ class Job:
 
 
 @contextlib.contextmanager
-def job(tmp_path: Path, *worker_args: str):
-    with hosts(NODES) as h:
-        j = Job(h, tmp_path, worker_args)
+def job(tmp_path: Path, *worker_args: str, nodes: int = NODES, **options: Any):
+    with hosts(nodes) as h:
+        j = Job(h, tmp_path, worker_args, nodes=nodes, **options)
         try:
             j.start_coordinator()
             yield j
         finally:
             j.close()
-        assert all(not h.pids(i) for i in range(NODES)), "processes left in the hosts"
+        assert all(not h.pids(i) for i in range(nodes)), "processes left in the hosts"
 
 
 def _finals(j: Job) -> dict[int, dict]:
@@ -267,6 +271,62 @@ def test_host_partitioned_then_healed(reference, tmp_path):
     figures["heal_to_full_width_s"] = _first_commit_after(evts, t_heal, width=NODES * PER_NODE)
     figures["max_leaf_rel_diff"] = _same_as(reference, tmp_path)
     _record("host_partitioned", figures)
+
+
+SPARE_STEPS = 60
+RETIRED = "process 4's launcher saw it exit (it retired that life in the service)"
+
+
+def test_spares_across_hosts_take_the_places_of_a_remote_worker_and_of_a_lost_host(tmp_path, one_process_exact):
+    """Two hosts, two members and a spare each (``--spares 1``: processes 2 and 5 wait), exact
+    reduction, 60 steps.
+
+    * Process 4 (host 1) is killed after its gradient at step 15. Its launcher retires its life
+      in the service and writes so in its life record (``jaxft.worker.lives.record_retired``):
+      the members on host 0, who cannot read host 1's death records, stop waiting for it on
+      that record (each says so in its ``step_failed``), not at the heartbeat timeout, and a
+      spare enters step 15's retry: step 15 commits at width 4. 4's restart becomes a spare.
+    * Host 0 is killed whole (two members and a spare) once step 35 committed: the survivors
+      take the spares they have (3 live processes) and train on; host 0's agent is started
+      again 5 s later and its workers come back, one as a member, the others as spares.
+    * Every step commits once, with one member set, and every final has the bits of a
+      1-process run (the global batch never changed)."""
+    worker = [sys.executable, str(REPO / "examples" / "mlp.py"), "--steps", str(SPARE_STEPS), "--step_sleep", "0.2",
+              *EXACT]
+    with job(tmp_path, nodes=2, per_node=2, spares=1, worker=worker) as j:
+        j.start_agent(0)
+        j.start_agent(1, "--fault", "kill:process=4:step=15:phase=after-grad")
+        wait_for(lambda: j.commits_at_least(35), 180, interval=0.2, what="step 35")
+        t_kill = time.time()
+        assert j.h.kill(0)
+        j.agents[0][-1].wait()
+        time.sleep(5)
+        j.start_agent(0)
+        codes = j.wait_agents(240)
+        why = j.describe()
+        evts = j.events()
+    assert codes == {0: 0, 1: 0}, f"agent exit codes {codes}\n{why}"
+    assert {tuple(e["spares"]) for e in evts if e["event"] == "run_start"} == {(2, 5)}, why
+    members = collections.defaultdict(set)
+    for e in evts:
+        if e["event"] == "commit":
+            members[e["step"]].add(tuple(e["members"]))
+    assert sorted(members) == list(range(SPARE_STEPS)) and all(len(m) == 1 for m in members.values()), members
+    widths = {s: len(next(iter(m))) for s, m in members.items()}
+    before_host = [s for s, m in members.items() if s < 35]
+    assert all(widths[s] == 4 for s in before_host), widths  # a spare took 4's place in step 15's retry
+    assert 4 not in next(iter(members[15])) and 4 in next(iter(members[14])), members
+    assert min(widths.values()) == 3, widths  # after host 0's loss: every live process in
+    failed = [e for e in evts if e["event"] == "step_failed" and e["step"] == 15]
+    assert {e["process"] for e in failed} == {0, 1, 3}, (failed, why)
+    for e in failed:  # host 0's members knew from 4's retired life record, host 1's from its death record
+        expected = "its launcher recorded its exit" if e["process"] == 3 else RETIRED
+        assert e.get("noticed") == {"4": expected}, e
+    back = {p for e in evts if e["event"] == "commit" and e["time"] > t_kill for p in e["members"]} & {0, 1, 2}
+    assert back and widths[SPARE_STEPS - 1] == 4, (back, widths)  # host 0's restart back in: full width again
+    finals = {e["process"]: e for e in evts if e["event"] == "final"}
+    assert len(finals) == 4 and {f["step"] for f in finals.values()} == {SPARE_STEPS}, finals
+    assert {f["params_sha256"] for f in finals.values()} == {one_process_exact(SPARE_STEPS)}, finals
 
 
 def test_loopback_hostname_is_named_with_its_fix(tmp_path):

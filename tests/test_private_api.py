@@ -201,7 +201,7 @@ service.shutdown()
 
 
 RETIRE = """
-import json, socket, sys, threading
+import functools, json, socket, sys, threading
 from jaxft import _compat
 from jaxft.supervisor import retire
 with socket.socket() as s:
@@ -219,15 +219,16 @@ if sys.argv[1] == "helper":  # through the launcher's helper process
     r = retire.Retirer(address)
     r.start()
     r._ready.wait(60)
-    said = r.retire(1, 30.0)
+    said = r.retire(1, 7, 30.0)
     r.close()
 else:
-    _compat.retire_life(address, 1)
+    _compat.retire_life(address, 1, then=functools.partial(retire.record_retired, 1, 7))
     said = "done 1"
 # the old life of 1 asks too (as a member that entered a query before dying would have)
 threading.Thread(target=clients[1].get_live_nodes, args=([0, 1],), daemon=True).start()
 after = {str(k): int(v) for k, v in clients[0].get_live_nodes([0, 1]).items()}
-print(json.dumps({"before": [int(x) for x in before], "after": after, "said": said}), flush=True)
+record = json.loads(clients[0].key_value_try_get("jaxft/life/1"))
+print(json.dumps({"before": [int(x) for x in before], "after": after, "said": said, "record": record}), flush=True)
 import os
 os._exit(0)
 """
@@ -236,13 +237,16 @@ os._exit(0)
 @pytest.mark.parametrize("how", ["in-process", "helper"])
 def test_a_retired_life_is_named_with_a_new_incarnation(how):
     """``retire_life`` registers a new incarnation of a live process at once: every later
-    liveness answer names it (what makes a member late to a query see the dead life gone)."""
+    liveness answer names it (what makes a member late to a query see the dead life gone), and
+    its ``then`` acts as that incarnation (it records it as the process's retired life)."""
     r = run_python(RETIRE, how, timeout=120)
     assert r.returncode == 0, moved("a client connecting as another process no longer registers it") + r.describe()
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["said"] == "done 1", out
     assert out["after"]["0"] == out["before"][0], moved(f"the other process's incarnation changed: {out}")
     assert out["after"]["1"] != out["before"][1], moved(f"retire_life did not change the incarnation: {out}")
+    # the new incarnation is written as 1's life record, marked retired, for other nodes' members
+    assert out["record"] == {"incarnation": out["after"]["1"], "nonce": "", "launch": 7, "retired": True}, out
 
 
 def test_backend_started_tracks_the_backend():

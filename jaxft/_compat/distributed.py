@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from jaxft.errors import InitializeError
@@ -118,7 +118,8 @@ def client_factory() -> Any:
     return _jax.get_distributed_runtime_client
 
 
-def retire_life(address: str, process_id: int, timeout_s: float = 2.0) -> None:
+def retire_life(address: str, process_id: int, timeout_s: float = 2.0,
+                then: Callable[[Any], Any] | None = None) -> None:
     """Give ``process_id`` a new incarnation in the coordination service at ``address``, at once.
 
     A process the launcher saw exit is dead, but the service counts it alive until its
@@ -129,7 +130,8 @@ def retire_life(address: str, process_id: int, timeout_s: float = 2.0) -> None:
     the dead process (a client that connects as it, then shuts down) makes every later
     answer name that new incarnation: whoever gets one sees the dead life gone. The new
     incarnation sends no heartbeat and is declared dead in turn, or replaced by the real
-    restart when that connects.
+    restart when that connects. ``then(client)``, if given, runs as that new incarnation
+    before it shuts down.
 
     A jax client that meets an error terminates its process: :mod:`jaxft.supervisor.retire` calls this
     in a helper process of the launcher, never in the launcher itself.
@@ -141,6 +143,15 @@ def retire_life(address: str, process_id: int, timeout_s: float = 2.0) -> None:
     client = client_factory()(address, int(process_id), init_timeout=max(1, int(timeout_s)),
                               heartbeat_timeout=max(1, int(timeout_s)), shutdown_on_destruction=False)
     client.connect()
+    try:
+        if then is not None:  # (acts as the new incarnation: jaxft.worker.lives.record_retired)
+            then(client)
+    finally:
+        _shut(client, process_id)
+
+
+def _shut(client: Any, process_id: int) -> None:
+    """Shut the retiring client down; its failure changes nothing (the incarnation is registered)."""
     try:
         client.shutdown()
     except Exception as e:  # noqa: BLE001 - the new incarnation is registered: that is what counts

@@ -7,6 +7,11 @@ launcher (:mod:`jaxft.worker.deaths`), already failed. So before it records a de
 gives the dead process a new incarnation in the service (:func:`jaxft._compat.retire_life`):
 every later answer names that new life, and whoever gets one sees the dead life gone.
 
+The helper also writes that new incarnation as the process's life record, marked retired
+(:func:`record_retired`): members on other nodes cannot read this node's
+death records, and a waiter there that reads the record sees its map's life over at once,
+instead of after the heartbeat timeout.
+
 The client doing it runs in a small helper process (:class:`Retirer`, ``python -m
 jaxft.supervisor.retire ADDRESS``) that the launcher starts once: a jax client that meets an error ends
 its whole process (jaxlib terminates it), which must never be the launcher. Only a life that
@@ -17,13 +22,16 @@ connected would wait for the service's start-up barrier.
 
 from __future__ import annotations
 
+import functools
 import logging
 import select
 import subprocess
 import sys
 import threading
 import time
-from typing import IO
+from typing import IO, Any
+
+from jaxft import protocol
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +67,10 @@ class Retirer:
 
         threading.Thread(target=wait_ready, name="jaxft-retirer-start", daemon=True).start()
 
-    def retire(self, process_id: int, timeout_s: float) -> str:
-        """Retire ``process_id``'s current life; what the helper said (``done`` on success), or
-        why it could not (it is not up yet, it died, or it did not answer within ``timeout_s``)."""
+    def retire(self, process_id: int, launch: int, timeout_s: float) -> str:
+        """Retire ``process_id``'s current life, the launcher's incarnation ``launch``; what the
+        helper said (``done`` on success), or why it could not (it is not up yet, it died, or it
+        did not answer within ``timeout_s``)."""
         with self._lock:
             proc = self._proc
             if proc is None or proc.poll() is not None:
@@ -70,7 +79,7 @@ class Retirer:
                 return "the helper is not ready yet"
             stdin, stdout = _pipes(proc)
             try:
-                stdin.write(f"{int(process_id)}\n")
+                stdin.write(f"{int(process_id)} {int(launch)}\n")
                 stdin.flush()
             except OSError:
                 return "the helper is gone"
@@ -98,8 +107,9 @@ def _pipes(proc: subprocess.Popen[str]) -> tuple[IO[str], IO[str]]:
 
 
 def main(argv: list[str]) -> int:
-    """The helper: ``python -m jaxft.supervisor.retire ADDRESS``; reads process ids, one a line, and answers
-    ``done P`` (or ``failed P: why``) for each, once it gave that process a new incarnation."""
+    """The helper: ``python -m jaxft.supervisor.retire ADDRESS``; reads ``PROCESS LAUNCH`` lines (a
+    process id and the launcher's incarnation of its dead life) and answers ``done P`` (or
+    ``failed P: why``) for each, once it gave that process a new incarnation and recorded it."""
     from jaxft import _compat
 
     address = argv[1]
@@ -107,15 +117,26 @@ def main(argv: list[str]) -> int:
     print("ready", flush=True)
     for line in sys.stdin:
         try:
-            process_id = int(line)
+            process_id, launch = (int(x) for x in line.split())
         except ValueError:
             continue
         try:
-            _compat.retire_life(address, process_id)
+            _compat.retire_life(address, process_id, then=functools.partial(record_retired, process_id, launch))
             print(f"done {process_id}", flush=True)
         except Exception as e:  # noqa: BLE001 - answered: the launcher logs it and goes on
             print(f"failed {process_id}: {str(e).splitlines()[0][:200]}", flush=True)
     return 0
+
+
+def record_retired(process_id: int, launch: int, client: Any) -> int:
+    """As the new incarnation ``client`` gave ``process_id`` (whose life of launcher incarnation
+    ``launch`` died): write it as the process's life record, marked retired, and return it. A
+    waiter that reads it sees its map's life over (:func:`jaxft.worker.lives.over`); the
+    restart's own registration overwrites it (the launcher starts one only after the retire)."""
+    incarnation = int(client.get_live_nodes([process_id])[process_id])  # (answered at once: itself alone)
+    client.key_value_set(f"{protocol.LIFE_PREFIX}{process_id}",
+                         protocol.life_record(incarnation, "", int(launch), retired=True), allow_overwrite=True)
+    return incarnation
 
 
 if __name__ == "__main__":

@@ -237,7 +237,7 @@ class WorkerPool:
             return
         if not protocol.life_marked(self.state_dir, protocol.CONNECTED, worker.process_id, worker.incarnation):
             return
-        said = self._retirer.retire(worker.process_id, RETIRE_BOUND_S)
+        said = self._retirer.retire(worker.process_id, worker.incarnation, RETIRE_BOUND_S)
         worker.retired = said.startswith("done")
         if not worker.retired:
             self.events.log(Event.RETIRE_FAILED, process=worker.process_id, incarnation=worker.incarnation,

@@ -17,8 +17,10 @@ pair this process waits on.
 
 Safety: only an exited OS process is recorded (never a guess from timing), so a slow but
 alive worker is never left out by this; a record counts only against a life that began
-before it (a re-admitted process is not affected by its previous death). Workers on other
-nodes, and host deaths, still fall back to the heartbeat.
+before it (a re-admitted process is not affected by its previous death). A worker on another
+node is known dead once its launcher retired its life and wrote so in its life record
+(:func:`jaxft.worker.lives.record_retired`), read by a query that waited
+:attr:`DeathWatch.LIVES_CHECK_S`; host deaths still fall back to the heartbeat.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class GaveUp(Exception):
 class DeathWatch:
     """Liveness queries that stop waiting for processes the launcher saw die."""
 
-    LIVES_CHECK_S = 0.5  # a query waiting this long reads the expected lives' records, then as often
+    LIVES_CHECK_S = 0.2  # a query waiting this long reads the expected lives' records, then as often
 
     def __init__(self, state_dir: str | None = None, poll_s: float = 0.005):
         self.state_dir = state_dir if state_dir is not None else os.environ.get(protocol.FAULT_STATE_DIR)
@@ -56,6 +58,7 @@ class DeathWatch:
         # open (this process counted in) until every live process of the set has asked.
         self._abandoned: dict[tuple[int, ...], concurrent.futures.Future] = {}
         self.asking: tuple[int, ...] = ()  # the set of the query asked last
+        self.noticed: dict[int, str] = {}  # process -> how a query of this process learnt its life was over
         self._lock = threading.Lock()  # dead() is called from a Tripwire's thread too
         self._cache: dict[int, float] = {}
         self._stamp: tuple[int, int] | None = None
@@ -92,16 +95,17 @@ class DeathWatch:
                 self._cache, self._stamp, self._read_at = protocol.recorded_deaths(state_dir), stamp, time.time()
             return self._cache
 
-    def restarted(self, pids: Sequence[int], known: Mapping[int, int]) -> set[int]:
-        """Those of ``pids`` whose life in ``known`` is over by the lives they registered
-        (:func:`jaxft.worker.lives.over`: a newer life registered, a restart; or its launcher
-        recorded its exit). A restart on another node, after the service declared its
+    def restarted(self, pids: Sequence[int], known: Mapping[int, int]) -> dict[int, str]:
+        """Those of ``pids`` whose life in ``known`` is over by the lives they registered, with why
+        (:func:`jaxft.worker.lives.over`: a newer life registered, a restart; its launcher
+        retired it or recorded its exit). A restart on another node, after the service declared its
         previous life dead, is counted in a query over its process id at once: a member that
         asked such a query after the restart connected waited for it until its barrier
         timeout (the protocol's simulation: 1,246 of 10,000 schedules ended so, 7 with this)."""
         registered = lives_lib.all_current()
-        return {p for p in pids if p in known and p in registered
-                and lives_lib.over(registered[p], known[p], self.state_dir) is not None}
+        over = {p: lives_lib.over(registered[p], known[p], self.state_dir) for p in pids
+                if p in known and p in registered}
+        return {p: why for p, why in over.items() if why is not None}
 
     def dead(self, pids: Sequence[int], fresh: bool = False) -> set[int]:
         """Those of ``pids`` whose current life, as this process knows it, was recorded dead
@@ -149,9 +153,11 @@ class DeathWatch:
 
         ``give_up()`` (checked while waiting) abandons the query and raises :class:`GaveUp`;
         ``on_confirm(pids)`` is called before a confirmation is asked (a cold start says so,
-        :mod:`jaxft.worker.coldstart`). :attr:`asking`: the set asked last.
+        :mod:`jaxft.worker.coldstart`). :attr:`asking`: the set asked last; :attr:`noticed`: the
+        processes this call stopped waiting for, with why (the others it left out, the service did).
         """
         pids = sorted(pids)
+        self.noticed = {}
         while True:
             known = {**(lives or {}), **{p: life for p, life in (admitted or {}).items() if life >= 0}}
             answer = self._ask_once(query, pids, admitted or {}, give_up, known)
@@ -183,12 +189,13 @@ class DeathWatch:
                 except concurrent.futures.TimeoutError:
                     if future.done():  # the query itself raised a TimeoutError (the same class):
                         raise  # else this loop would re-raise it for ever, its traceback growing
-                    gone = self.dead(pids)
+                    why = dict.fromkeys(self.dead(pids), "its launcher recorded its exit")
                     if known and time.monotonic() >= check_lives_at:
                         check_lives_at = time.monotonic() + self.LIVES_CHECK_S
-                        gone |= self.restarted(pids, known)
-                    again = liveness.on_deaths(pids, gone)
+                        why = {**self.restarted(pids, known), **why}
+                    again = liveness.on_deaths(pids, set(why))
                     if again is not None and not future.done():  # (an answer that came meanwhile is taken)
+                        self.noticed.update(why)
                         break
                     if give_up is not None and give_up() and not future.done():
                         self._abandon(tuple(pids), future)

@@ -331,7 +331,7 @@ class Joining:
 
 def _registered_lives(pids: Sequence[int]) -> dict[int, int]:
     """The life (service incarnation) each of ``pids`` registered (:func:`jaxft.worker.lives.register`,
-    done before a joiner says it is ready); -1 where none can be read (a left query's answer is
-    then not taken, it asks anew)."""
+    done before a joiner says it is ready); -1 where none can be read, or the record is a dead
+    life's retirement (a left query's answer is then not taken, it asks anew)."""
     registered = lives_lib.all_current()
-    return {p: registered[p].incarnation if p in registered else -1 for p in pids}
+    return {p: registered[p].incarnation if p in registered and not registered[p].retired else -1 for p in pids}

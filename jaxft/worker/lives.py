@@ -18,6 +18,11 @@ incarnation, heartbeat nonce and launcher incarnation; a restart overwrites it.
 * the record names another incarnation: the process restarted (the service accepted a new
   life under its id; the launcher starts one only after the old one exited);
 * the launcher recorded that life's exit (:mod:`jaxft.worker.deaths`, local workers only);
+* the record says the life was retired: the launcher that saw it exit gave its process a new
+  incarnation in the service and wrote that one here
+  (:func:`jaxft.supervisor.retire.record_retired`), so that members on other nodes, who cannot
+  read its death record, stop waiting for it within a read of this record instead of a
+  heartbeat timeout;
 * otherwise nothing is known here; with the nonce (:attr:`Life.nonce`) a waiter can watch
   the life's heartbeat, which catches host deaths too.
 """
@@ -33,7 +38,7 @@ from typing import Any
 
 from jaxft import protocol
 
-PREFIX = "jaxft/life/"
+PREFIX = protocol.LIFE_PREFIX
 _IMPORTED_AT = time.time()
 
 
@@ -45,6 +50,7 @@ class Life:
     incarnation: int  # the coordination service's (what member maps hold)
     nonce: str  # its heartbeat's (jaxft.worker.kv.Heartbeat)
     launch: int | None  # the launcher's incarnation (JAXFT_INCARNATION); None outside jaxft launch
+    retired: bool = False  # written by the launcher's helper for a dead life (record_retired)
 
 
 def register(client: Any | None = None) -> Life:
@@ -59,8 +65,8 @@ def register(client: Any | None = None) -> Life:
     incarnation = int(c.get_live_nodes([me])[me])
     launch = os.environ.get(protocol.INCARNATION)
     life = Life(me, incarnation, kv.Heartbeat.get().nonce, int(launch) if launch and launch.isdigit() else None)
-    value = {"incarnation": life.incarnation, "nonce": life.nonce, "launch": life.launch}
-    c.key_value_set(f"{PREFIX}{me}", json.dumps(value), allow_overwrite=True)
+    c.key_value_set(f"{PREFIX}{me}", protocol.life_record(life.incarnation, life.nonce, life.launch),
+                    allow_overwrite=True)
     return life
 
 
@@ -90,7 +96,7 @@ def _parse(process: int, value: str | None) -> Life | None:
         return None
     try:
         r = json.loads(value)
-        return Life(process, int(r["incarnation"]), str(r["nonce"]), r.get("launch"))
+        return Life(process, int(r["incarnation"]), str(r["nonce"]), r.get("launch"), bool(r.get("retired", False)))
     except (ValueError, KeyError, TypeError):
         return None
 
@@ -106,7 +112,13 @@ def over(life: Life | None, incarnation: int, state_dir: str | None = None) -> s
             # the record's own life died and a later one connected: the map may name that one,
             # named in an answer before it registered (jaxft.core.coldstart); nothing known here
             return None
+        if life.retired:
+            if state_dir and life.launch is not None and protocol.death_recorded(state_dir, life.process, life.launch):
+                return f"the launcher recorded process {life.process}'s exit"  # (a local worker: said alike)
+            return f"process {life.process}'s launcher saw it exit (it retired that life in the service)"
         return f"process {life.process} restarted (a new life registered; the one in this member map is over)"
+    if life.retired:  # (the placeholder life itself: it never heartbeats)
+        return f"process {life.process}'s life was retired by its launcher"
     if state_dir and life.launch is not None and protocol.death_recorded(state_dir, life.process, life.launch):
         return f"the launcher recorded process {life.process}'s exit"
     return None

@@ -232,8 +232,9 @@ class ElasticLoop:
         except StepFailed as e:
             self.executor.pipeline.leave(f"step {step} did not commit")
             self.executor.take_spares(m, step)  # (they enter the retry: no step commits without them)
+            seen: dict[str, Any] = {"noticed": {str(p): why for p, why in e.noticed.items()}} if e.noticed else {}
             return self._failed(step, str(e), failed=sorted(e.failed),
-                                cause=str(e.cause).splitlines()[0][:300] if e.cause else "membership changed")
+                                cause=str(e.cause).splitlines()[0][:300] if e.cause else "membership changed", **seen)
         except VotedFail as e:  # a member could not build its inputs: every member fails the step
             return self._failed(step, e.why, failed=[], cause=e.why.splitlines()[0][:300], own=e.error is not None)
         except Desync:  # the members ran different steps: the ones behind are brought forward

@@ -289,7 +289,7 @@ class ElasticGroup:
         if outcome is commit_core.Outcome.FAIL:
             if members is not None:
                 self.data_plane.taint()
-            raise StepFailed(set(commit_core.failed_members(entry, exit_)), error) from error
+            raise StepFailed(set(commit_core.failed_members(entry, exit_)), error, self._deaths.noticed) from error
         if outcome is commit_core.Outcome.ERROR:
             assert error is not None
             raise error
