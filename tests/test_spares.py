@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import EXACT, MLP, by_event, check_agreed_run, train
+from helpers import EXACT, MLP, PYTHON, REPO, by_event, check_agreed_run, events, launch, train
 
 from jaxft import protocol
 from jaxft.cli import _workers
@@ -57,6 +57,22 @@ def test_a_ready_key_left_by_a_life_that_died_waiting_is_not_voted_in():
     assert fresh_ready(entries, {2: 103.0, 3: 104.0, 4: 0.5}) == {3: "a"}
     # the restart of 2 announced at 108: its key is voted, not the one its dead life left
     assert fresh_ready([*entries, ("jaxft/ready/2/new", "108.0")], {2: 103.0}) == {2: "new", 3: "a"}
+    # on another node no record is read here, but 3's launcher retired its newest life: every
+    # key of 3 is older than that death (a life registers before it announces)
+    assert fresh_ready(entries, {}, retired={3}) == {2: "old"}
+
+
+def test_a_ready_key_whose_life_its_launcher_retired_is_not_voted_on_another_node(tmp_path):
+    """Real processes and service: process 1 announces itself ready and dies (SIGKILL) with its
+    key left in the service; process 0's watcher, given no death records (another node's view),
+    voted it while it lived and stops once the launcher wrote 1's life retired."""
+    r = launch(2, [PYTHON, str(REPO / "tests" / "workers" / "stale_ready.py")], "--heartbeat-timeout", "10",
+               run_dir=tmp_path, timeout=120)
+    evts = events(tmp_path)
+    assert not by_event(evts, "retire_failed"), by_event(evts, "retire_failed")  # (else the heartbeat's case)
+    (e,) = by_event(evts, "stale_ready")
+    assert (e["before"], e["retired"], e["after"]) == (READY, True, 0), (e, r.describe())
+    assert e["keys"] == ["jaxft/ready/1/test"], e  # (the key was still there: the record decided)
 
 
 def test_a_cold_start_is_every_process_but_the_spares():

@@ -69,21 +69,21 @@ class Retirer:
 
     def retire(self, process_id: int, launch: int, timeout_s: float) -> str:
         """Retire ``process_id``'s current life, the launcher's incarnation ``launch``; what the
-        helper said (``done`` on success), or why it could not (it is not up yet, it died, or it
-        did not answer within ``timeout_s``)."""
+        helper said (``done`` on success), or why it could not (it died, or it was not up or did
+        not answer within ``timeout_s``, which bounds the whole call)."""
         with self._lock:
             proc = self._proc
             if proc is None or proc.poll() is not None:
                 return "no helper"
-            if not self._ready.is_set():
-                return "the helper is not ready yet"
+            deadline = time.monotonic() + timeout_s
+            if not self._ready.wait(timeout_s):  # (a death in the run's first seconds: it may still import)
+                return f"the helper was not ready within {timeout_s:g} s"
             stdin, stdout = _pipes(proc)
             try:
                 stdin.write(f"{int(process_id)} {int(launch)}\n")
                 stdin.flush()
             except OSError:
                 return "the helper is gone"
-            deadline = time.monotonic() + timeout_s
             while True:
                 ready, _, _ = select.select([stdout], [], [], max(0.0, deadline - time.monotonic()))
                 if not ready:

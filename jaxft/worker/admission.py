@@ -30,14 +30,14 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
 from jaxft.core.votes import HOLD, READY
 from jaxft.errors import BarrierTimeout
 from jaxft.timeouts import Timeouts
-from jaxft.worker import kv
+from jaxft.worker import kv, lives
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +70,13 @@ def held(votes: np.ndarray, members: Sequence[int]) -> np.ndarray:
     return out
 
 
-def fresh_ready(entries: Sequence[tuple[str, str]], deaths: Mapping[int, float]) -> dict[int, str]:
+def fresh_ready(entries: Sequence[tuple[str, str]], deaths: Mapping[int, float],
+                retired: Collection[int] = ()) -> dict[int, str]:
     """``{process: nonce}`` of the ready keys ``entries`` (``jaxft/ready/<process>/<nonce>`` ->
     the time it announced) that no life died after announcing: a key whose process has a death
-    recorded since (``deaths``: process -> latest death) was left by a life that died waiting,
+    recorded since (``deaths``: process -> latest death, this node's) or whose newest life was
+    retired by its launcher (``retired``: any node's; a life registers before it announces, so
+    every key of such a process is older than its death) was left by a life that died waiting,
     a hot spare most often, and admitting it would hold the members' next entry for a process
     that never comes. The newest announcement of a process wins."""
     best: dict[int, tuple[float, str]] = {}
@@ -83,7 +86,7 @@ def fresh_ready(entries: Sequence[tuple[str, str]], deaths: Mapping[int, float])
             p, nonce, at = int(parts[-2]), parts[-1], float(value)
         except (ValueError, IndexError):
             continue
-        if deaths.get(p, float("-inf")) >= at:
+        if deaths.get(p, float("-inf")) >= at or p in retired:
             continue
         if p not in best or at > best[p][0]:
             best[p] = (at, nonce)
@@ -94,7 +97,7 @@ class ReadyWatcher:
     """A member's view of the joiners that announced readiness (a daemon thread). ``deaths``:
     the deaths its launcher recorded for this node's processes (process -> latest;
     :meth:`jaxft.worker.deaths.DeathWatch.records`): a ready key left by a life that died since
-    is not voted (:func:`fresh_ready`; another node's is found by the heartbeat instead)."""
+    is not voted (:func:`fresh_ready`; another node's is known by its retired life record)."""
 
     def __init__(self, num_processes: int, deaths: Callable[[], Mapping[int, float]] = dict, poll_s: float = 0.2):
         self.num_processes = num_processes
@@ -115,8 +118,9 @@ class ReadyWatcher:
                 entries = c.key_value_dir_get(READY_PREFIX)
             except Exception:  # noqa: BLE001 - the service is gone: the job is ending
                 return
+            retired = {p for p, life in lives.all_current(c).items() if life.retired} if entries else set()
             with self._lock:
-                self._seen = fresh_ready(entries, self._deaths() if entries else {})
+                self._seen = fresh_ready(entries, self._deaths() if entries else {}, retired)
 
     def votes(self, members: Sequence[int]) -> np.ndarray:
         """int32 ``[num_processes]``: :data:`READY` for each non-member with a ready key."""
