@@ -68,7 +68,8 @@ def _add_launch(sub) -> None:
     p.add_argument("--timeout", action="append", default=[], metavar="NAME=SECONDS",
                    help="set one bound of jaxft.Timeouts for the workers (repeatable); names: "
                         + ", ".join(f"{n} (default {getattr(Timeouts, n):g})" for n in Timeouts.names()))
-    p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
+    p.add_argument("--port", type=int, default=0,
+                   help="coordinator port (default: a free one, below the kernel's ephemeral range)")
     p.add_argument("--bind", default=None,
                    help="where a hosted coordinator listens (default: loopback; all interfaces with "
                         "--host-coordinator)")

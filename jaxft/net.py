@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import random
 import socket
 import time
 
@@ -30,11 +31,41 @@ def check_port_free(host: str, port: int) -> None:
             raise CoordinatorError(f"cannot bind {host}:{port}: {e.strerror}") from None
 
 
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+FALLBACK_EPHEMERAL = (32768, 60999)  # Linux's default, where the file cannot be read
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free on ``host`` at the time of asking."""
+    """A port that is free on ``host`` at the time of asking, outside the kernel's ephemeral
+    range where one can be found there.
+
+    A port the kernel hands out for a bind to port 0 comes from the range it also gives every
+    outgoing connection, and is free again once the socket closes: any connection made before
+    the service binds it can take it (seen in CI with two test workers: the coordination
+    service failed to add its port and its process died with SIGSEGV). A port below that range
+    is taken only by a process that asks for it by number.
+    """
+    low, _ = _ephemeral_range()
+    candidates = range(max(1024, low - 16384), low)
+    for port in random.sample(candidates, min(64, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open(EPHEMERAL_RANGE) as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return FALLBACK_EPHEMERAL
 
 
 def format_address(host: str, port: int) -> str:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import jaxft
-from jaxft import protocol
+from jaxft import net, protocol
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -110,9 +110,8 @@ def summary(run_dir: str | os.PathLike) -> dict:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, outside the ephemeral range (:func:`jaxft.net.free_port`)."""
+    return net.free_port()
 
 
 @contextlib.contextmanager

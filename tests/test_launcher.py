@@ -62,6 +62,20 @@ def test_busy_port_refused():
     _refused(r, f"port {port} on 127.0.0.1 is already in use")
 
 
+def test_a_port_picked_for_the_service_is_outside_the_ephemeral_range():
+    """A port the kernel hands out for port 0 is one any outgoing connection may take before the
+    service binds it (a CI run's coordinator then died with SIGSEGV): ``--port 0`` picks one
+    below the range, free at the time of asking."""
+    from jaxft import net
+
+    low, _ = net._ephemeral_range()
+    ports = {net.free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports), (low, sorted(ports))
+    assert len(ports) > 1  # (drawn at random: two launchers at once rarely meet)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", net.free_port()))  # free indeed (this raises otherwise)
+
+
 def test_missing_worker_command_refused():
     r = run_jaxft("launch", "-n", "2", "--", "/nonexistent/jaxft-worker", "--flag", timeout=30)
     _refused(r, "worker command '/nonexistent/jaxft-worker' not found")
