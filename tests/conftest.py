@@ -1,5 +1,6 @@
 import os
 import sys
+import time
 import uuid
 
 import pytest
@@ -14,6 +15,19 @@ def pytest_report_header(config):
     import jaxlib
 
     return f"jaxft tests: python {sys.version.split()[0]}, jax {jax.__version__}, jaxlib {jaxlib.__version__}"
+
+
+@pytest.fixture(autouse=True)
+def _run_deadline(request):
+    """A command the test runs (helpers.run) times out ``helpers.STACKS_MARGIN_S`` before the
+    test's own timeout (pytest-timeout's), so that a hang fails with the stacks of the
+    command's processes and what they printed, not with the test runner's stack alone."""
+    marker = request.node.get_closest_marker("timeout")
+    ini = request.config.getini("timeout")
+    limit = float(marker.args[0]) if marker is not None and marker.args else float(ini or 0)
+    helpers.DEADLINE = time.monotonic() + limit - helpers.STACKS_MARGIN_S if limit > 0 else None
+    yield
+    helpers.DEADLINE = None
 
 
 @pytest.fixture(scope="session", autouse=True)

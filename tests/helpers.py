@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import pytest
+
 import jaxft
 from jaxft import net, protocol
 
@@ -47,7 +49,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 @dataclasses.dataclass
 class Result:
-    returncode: int
+    returncode: int | None  # (None: it timed out)
     stdout: str
     stderr: str
     elapsed: float
@@ -60,15 +62,70 @@ class Result:
                 f"--- stderr ---\n{self.stderr[-6000:]}")
 
 
+DEADLINE: float | None = None  # (monotonic) the running test's own timeout less STACKS_MARGIN_S (conftest)
+STACKS_MARGIN_S = 30.0  # time left to dump the stacks of a command that hangs
+
+
 def run(args: Sequence[str], timeout: float = 60, env: dict | None = None,
         cwd: str | os.PathLike | None = None) -> Result:
-    """Run a command to completion (killed at ``timeout``) and time it."""
+    """Run a command to completion and time it. Past ``timeout`` (or :data:`DEADLINE`, if
+    sooner) the test fails with what the command printed so far and the Python stacks of its
+    process tree (:func:`stacks_of`), then the command is killed: a hang says where it waits."""
     args = [str(a) for a in args]
     t0 = time.monotonic()
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+    if DEADLINE is not None:
+        timeout = max(1.0, min(timeout, DEADLINE - t0))
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=clean_env() if env is None else env, cwd=cwd or REPO,
-                          stdin=subprocess.DEVNULL)
-    return Result(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0, args)
+                          stdin=subprocess.DEVNULL) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stacks = stacks_of(proc.pid)
+            for pid in [*descendants(proc.pid), proc.pid]:  # (a child holding its pipes: killed too)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            result = Result(None, out, err, time.monotonic() - t0, args)
+            pytest.fail(f"timed out after {timeout:.1f} s\n{result.describe()}\n--- stacks ---\n{stacks}",
+                        pytrace=False)
+    return Result(proc.returncode, out, err, time.monotonic() - t0, args)
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid``'s child processes, their children and so on (Linux ``/proc``)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            try:
+                kids = [int(c) for c in task.read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def stacks_of(pid: int, per_process_s: float = 15) -> str:
+    """The Python stacks of ``pid`` and its descendants (``py-spy dump``, where installed;
+    else their command lines), for a test that timed out."""
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    out = []
+    for p in [pid, *descendants(pid)]:
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ")[:300]
+        except OSError:
+            continue
+        out.append(f"=== pid {p}: {cmd}")
+        if spy and "python" in cmd:
+            try:
+                r = subprocess.run([spy, "dump", "--pid", str(p)], capture_output=True, text=True,
+                                   timeout=per_process_s)
+                out.append((r.stdout + r.stderr)[-4000:])
+            except subprocess.TimeoutExpired:
+                out.append("(py-spy timed out)")
+    return "\n".join(out) if out else "(no processes left)"
 
 
 def run_jaxft(*args, timeout: float = 60, env: dict | None = None) -> Result:

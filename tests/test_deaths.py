@@ -215,7 +215,7 @@ def test_a_member_stops_waiting_for_a_process_that_registered_a_newer_life(tmp_p
 def test_a_member_on_another_node_stops_waiting_for_a_life_its_launcher_retired(tmp_path, monkeypatch):
     # Process 1 died on another node: no death record here, but its launcher's helper wrote
     # the new incarnation it gave 1 in the service as 1's life record, marked retired
-    # (jaxft.worker.lives.record_retired). A member waiting for 1's old life reads it and asks
+    # (jaxft.supervisor.retire.record_retired). A member waiting for 1's old life reads it and asks
     # again without 1, and says how it knew.
     w = deaths.DeathWatch(str(tmp_path))  # (this node's records: none)
     w.LIVES_CHECK_S = 0.05

@@ -282,7 +282,7 @@ def test_spares_across_hosts_take_the_places_of_a_remote_worker_and_of_a_lost_ho
     reduction, 60 steps.
 
     * Process 4 (host 1) is killed after its gradient at step 15. Its launcher retires its life
-      in the service and writes so in its life record (``jaxft.worker.lives.record_retired``):
+      in the service and writes so in its life record (``jaxft.supervisor.retire.record_retired``):
       the members on host 0, who cannot read host 1's death records, stop waiting for it on
       that record (each says so in its ``step_failed``), not at the heartbeat timeout, and a
       spare enters step 15's retry: step 15 commits at width 4. 4's restart becomes a spare.

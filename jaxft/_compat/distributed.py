@@ -144,7 +144,7 @@ def retire_life(address: str, process_id: int, timeout_s: float = 2.0,
                               heartbeat_timeout=max(1, int(timeout_s)), shutdown_on_destruction=False)
     client.connect()
     try:
-        if then is not None:  # (acts as the new incarnation: jaxft.worker.lives.record_retired)
+        if then is not None:  # (acts as the new incarnation: jaxft.supervisor.retire.record_retired)
             then(client)
     finally:
         _shut(client, process_id)

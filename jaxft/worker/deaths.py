@@ -19,7 +19,7 @@ Safety: only an exited OS process is recorded (never a guess from timing), so a 
 alive worker is never left out by this; a record counts only against a life that began
 before it (a re-admitted process is not affected by its previous death). A worker on another
 node is known dead once its launcher retired its life and wrote so in its life record
-(:func:`jaxft.worker.lives.record_retired`), read by a query that waited
+(:func:`jaxft.supervisor.retire.record_retired`), read by a query that waited
 :attr:`DeathWatch.LIVES_CHECK_S`; host deaths still fall back to the heartbeat.
 """
 
