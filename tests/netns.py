@@ -34,12 +34,23 @@ def require_root() -> None:
         pytest.skip("network-namespace hosts need iproute2's `ip`")
 
 
+def _free_subnet(first: int) -> int:
+    """The first ``S`` from ``first`` on (mod 250) with no address in ``10.231.S.0/24`` here: two
+    test workers' hosts (test_multihost.py, test_slurm.py) must not share a subnet."""
+    try:
+        out = _ip("-o", "-4", "addr", "show", check=False).stdout
+    except OSError:  # (no iproute2: the hosts will be skipped anyway)
+        out = ""
+    used = {int(part.split(".")[2]) for part in out.split() if part.startswith("10.231.")}
+    return next((s for s in ((first + k) % 250 for k in range(250)) if s not in used), first)
+
+
 class Hosts:
     """``n`` hosts ``10.231.S.1 .. 10.231.S.n`` and the bridge at ``10.231.S.254`` (root namespace)."""
 
     def __init__(self, n: int):
         tag = os.getpid() % 10000
-        self.subnet = f"10.231.{tag % 250}"
+        self.subnet = f"10.231.{_free_subnet(tag % 250)}"
         self.bridge = f"jxb{tag}"
         self.names = [f"jx{tag}h{i}" for i in range(n)]
         self.links = [f"jxv{tag}h{i}" for i in range(n)]
