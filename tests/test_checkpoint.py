@@ -680,10 +680,11 @@ print(json.dumps({
 def test_a_death_before_a_save_abandons_it_without_waiting_out_the_barrier(tmp_path, records):
     # Process 2 dies as checkpoint 10 is due, before it begins it: the others are in the save's
     # blocking barriers (Orbax's save_start), which waited for it until Timeouts.save_barrier
-    # (60 s). With the launcher's death records the save is cancelled at once. Without them (a
-    # worker on another node; here the workers do not see the records) the barrier knows
-    # process 2 from the commit's member map only: its life (jaxft.worker.lives) names the heartbeat
-    # to watch, which stops, and the save is abandoned after Timeouts.save_dead_after.
+    # (60 s). With the launcher's death records the save is cancelled at once. Without them and
+    # without the dead life's retirement (a host that died whole; here the workers do not see
+    # the state dir, so none marks its connection and the launcher retires nothing) the barrier
+    # knows process 2 from the commit's member map only: its life (jaxft.worker.lives) names the
+    # heartbeat to watch, which stops, and the save is abandoned after Timeouts.save_dead_after.
     # Either way training goes on and ends agreed.
     run_dir = tmp_path / "run"
     # (connect admission: the restart rejoins within the 20 steps; with ready admission the

@@ -48,7 +48,11 @@ class GaveUp(Exception):
 class DeathWatch:
     """Liveness queries that stop waiting for processes the launcher saw die."""
 
-    LIVES_CHECK_S = 0.2  # a query waiting this long reads the expected lives' records, then as often
+    # A query waiting this long reads the lives' records (one read of every process's), then
+    # again after twice as long each time, up to LIVES_CHECK_MAX_S: a death is seen within the
+    # first reads, and a long wait for a slow member costs the service few reads.
+    LIVES_CHECK_S = 0.2
+    LIVES_CHECK_MAX_S = 1.0
 
     def __init__(self, state_dir: str | None = None, poll_s: float = 0.005):
         self.state_dir = state_dir if state_dir is not None else os.environ.get(protocol.FAULT_STATE_DIR)
@@ -182,7 +186,8 @@ class DeathWatch:
             self.asking = tuple(pids)
             future = self._reuse(tuple(pids), admitted) or _ask(query, pids)
             again: liveness.Ask | None = None
-            check_lives_at = time.monotonic() + self.LIVES_CHECK_S
+            lives_every = self.LIVES_CHECK_S
+            check_lives_at = time.monotonic() + lives_every
             while True:
                 try:
                     answer = future.result(timeout=self.poll_s * 4)
@@ -191,7 +196,8 @@ class DeathWatch:
                         raise  # else this loop would re-raise it for ever, its traceback growing
                     why = dict.fromkeys(self.dead(pids), "its launcher recorded its exit")
                     if known and time.monotonic() >= check_lives_at:
-                        check_lives_at = time.monotonic() + self.LIVES_CHECK_S
+                        lives_every = min(2 * lives_every, max(self.LIVES_CHECK_MAX_S, self.LIVES_CHECK_S))
+                        check_lives_at = time.monotonic() + lives_every
                         why = {**self.restarted(pids, known), **why}
                     again = liveness.on_deaths(pids, set(why))
                     if again is not None and not future.done():  # (an answer that came meanwhile is taken)
