@@ -106,21 +106,21 @@ def over(life: Life | None, incarnation: int, state_dir: str | None = None) -> s
     :func:`current` read), or None when nothing here says so."""
     if life is None:
         return None
+    local = bool(state_dir and life.launch is not None
+                 and protocol.death_recorded(state_dir, life.process, life.launch))  # (one read)
     if life.incarnation != incarnation:
-        if (state_dir and life.launch is not None and protocol.death_recorded(state_dir, life.process, life.launch)
-                and protocol.life_marked(state_dir, protocol.CONNECTED, life.process, life.launch + 1)):
+        if local and protocol.life_marked(str(state_dir), protocol.CONNECTED, life.process, int(life.launch or 0) + 1):
             # the record's own life died and a later one connected: the map may name that one,
             # named in an answer before it registered (jaxft.core.coldstart); nothing known here
             return None
-        if life.retired:
-            if state_dir and life.launch is not None and protocol.death_recorded(state_dir, life.process, life.launch):
-                return f"the launcher recorded process {life.process}'s exit"  # (a local worker: said alike)
-            return f"process {life.process}'s launcher saw it exit (it retired that life in the service)"
-        return f"process {life.process} restarted (a new life registered; the one in this member map is over)"
-    if life.retired:  # (the placeholder life itself: it never heartbeats)
+        if not life.retired:
+            return f"process {life.process} restarted (a new life registered; the one in this member map is over)"
+    elif life.retired:  # (the placeholder life itself: it never heartbeats)
         return f"process {life.process}'s life was retired by its launcher"
-    if state_dir and life.launch is not None and protocol.death_recorded(state_dir, life.process, life.launch):
+    if local:  # (a local worker's retired life is said alike)
         return f"the launcher recorded process {life.process}'s exit"
+    if life.retired:
+        return f"process {life.process}'s launcher saw it exit (it retired that life in the service)"
     return None
 
 
