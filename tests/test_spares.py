@@ -182,6 +182,11 @@ def test_spares_take_the_places_of_killed_members_and_restarts_become_spares(tmp
     assert (fast["step"], fast["joiners"], fast.get("after_failure")) == (KILL_2, [1], True), fast
     assert by_step[KILL_2][0]["members"] == [0, 1], "the spare entered the failed step's retry"
     assert {tuple(c[0]["members"]) for s, c in by_step.items() if s >= KILL_2} == {(0, 1)}, why
+    # The late admission entered (0, 2), a list nobody had stepped on: the members kept their
+    # backend (a fresh communicator); the swap at KILL_2 entered (0, 1), which process 1's first
+    # life had stepped on: its communicator is stale, so every member rebuilt (jaxft.core.plane).
+    synced = {(e["step"], e["process"]): e["rebuilt"] for e in by_event(evts, "data_plane") if e["step"] > 0}
+    assert synced == {(late["step"], 0): False, (late["step"], 2): False, (KILL_2, 0): True, (KILL_2, 1): True}, synced
     hydrated = {(e["process"], e["incarnation"], e["step"], e["donor"]) for e in by_event(evts, "rehydrated")}
     assert hydrated == {(2, 1, late["step"], 0), (1, 1, KILL_2, 0)}, hydrated
     # process 2's last restart waited as the spare: never admitted, exited 0 when the run ended

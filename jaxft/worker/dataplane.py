@@ -2,8 +2,13 @@
 
 gloo caches its communicators per device list, not per incarnation, and keeps a dead life's
 rendezvous keys, so on CPU a member set that gains a life (or whose communicators a failed
-step left suspect) rebuilds the backend before its step runs: agree, clear stale keys,
-barrier, a fresh backend, barrier, gloo's rendezvous. On GPU (NCCL) nothing here runs.
+step left suspect) syncs before its step runs: clear stale keys, barrier, a fresh backend where
+a member needs one, barrier, gloo's rendezvous. A member needs one when its backend holds a
+communicator for the step's list built with other lives, or one a failure left suspect
+(:mod:`jaxft.core.plane`); every member says so before the first barrier and all decide alike.
+Otherwise (a spare swapped in for a dead member: a list nobody stepped on) the backend is kept
+and the rendezvous opens a fresh communicator: no backend, no state moved, no program loaded
+again. On GPU (NCCL) nothing here runs.
 
 A step failed after its body began leaves the communicators built so far suspect: an
 aborted all-reduce can leave a partial message on a pair, which the next collective would
@@ -32,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import json
 import logging
 import threading
 import time
@@ -43,6 +49,7 @@ from jax.extend import backend as jax_backend
 from jax.sharding import Mesh
 
 from jaxft import _compat
+from jaxft.core import plane
 from jaxft.core.rejoin import is_new
 from jaxft.timeouts import Timeouts
 from jaxft.worker import breaker, kv, rendezvous
@@ -66,17 +73,21 @@ class DataPlane:
         self.process_id, self.axis_name, self.timeouts, self.hang = process_id, axis_name, timeouts, hang
         self.platform = jax.devices()[0].platform
         self._synced: dict[int, int] | None = None  # member map the data plane was built for
-        self._used: set[tuple[int, ...]] = set()  # process-id lists stepped on since the last rebuild
+        # process-id lists stepped on since the last rebuild (each with the lives it was first used
+        # with: this backend caches a communicator for it), alike on every member (a joiner that
+        # kept the backend took the members' history: _sync)
+        self._used: dict[tuple[int, ...], dict[int, int]] = {}
         self._suspect: set[tuple[int, ...]] = set()
         self._meshes: dict[tuple[int, ...], Mesh] = {}
         self._attempts: dict[str, int] = {}
         self._last_namespace: str | None = None
         self._pre: list[Callable[[], None]] = []
         self._post: list[Callable[[], None]] = []
+        self._during: list[Callable[[], None]] = []
         self._canceller: deaths_lib.Canceller | None = None  # cancels the rebuild's barriers on a death
         self._tripwire: deaths_lib.Tripwire | None = None
         self._old_backends: list[tuple[weakref.ref, float]] = []  # (a client a rebuild replaced, when)
-        self.last_reset: dict[str, float] = {}  # seconds spent in the last rebuild, by part
+        self.last_reset: dict[str, float | bool] = {}  # seconds spent in the last sync, by part
         self.leaked_backends = 0  # rebuilds after which arrays of the old backend stayed alive
         self.replaced_alive = 0  # backends the rebuilds replaced still alive as the run finished
         self._collect = False  # a rebuild replaced a backend that no full collection freed yet
@@ -86,13 +97,17 @@ class DataPlane:
         """CPU (gloo) caches communicators per device list without incarnations."""
         return self.platform == "cpu"
 
-    def on_reset(self, before: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> None:
+    def on_reset(self, before: Callable[[], None] | None = None, after: Callable[[], None] | None = None,
+                 during: Callable[[], None] | None = None) -> None:
         """Register callbacks around a rebuild (arrays die with the backend: move them to host
-        in ``before``, rebuild them in ``after``)."""
+        in ``before``, rebuild them in ``after``), and ``during`` any sync, between its barriers
+        (a fault point), whether it rebuilds or keeps the backend."""
         if before is not None:
             self._pre.append(before)
         if after is not None:
             self._post.append(after)
+        if during is not None:
+            self._during.append(during)
 
     def mesh(self, devices: Sequence[jax.Device]) -> Mesh:
         """A cached 1-D mesh over ``devices``."""
@@ -105,13 +120,13 @@ class DataPlane:
     def taint(self) -> None:
         """A step failed after its body began: rebuild before the next one."""
         if self.needs_reset:
-            self._suspect |= self._used
+            self._suspect |= set(self._used)
 
     def break_if_collective_failed(self, error: BaseException) -> None:
         """This process's collective failed: fail the others' now too (see :mod:`jaxft.worker.breaker`)."""
         if self.needs_reset and jax.process_count() > 1 and breaker.is_collective_failure(error):
             breaker.break_data_plane()
-            self._suspect |= self._used
+            self._suspect |= set(self._used)
 
     def tripwire(self, entry: Mapping[int, int], deaths: deaths_lib.DeathWatch) -> deaths_lib.Tripwire | None:
         """The step body's tripwire: a member recorded dead breaks this process's CPU data
@@ -131,29 +146,38 @@ class DataPlane:
     def enter(self, devices: Sequence[jax.Device], current: Mapping[int, int],
               deaths: deaths_lib.DeathWatch | None) -> tuple[tuple[jax.Device, ...], bool, bool]:
         """Make the data plane ready for a step of ``current`` (process -> incarnation) on
-        ``devices``: ``(devices sorted by id, whether it was rebuilt, whether the mesh is new)``."""
+        ``devices``: ``(devices sorted by id, whether it was synced (rebuilt, or connected afresh
+        on the backend it has), whether the mesh is new)``."""
         key = tuple(sorted(current))
-        reset = self.needs_reset and (is_new(self._synced, current) or key in self._suspect)
-        if reset:
-            self._rebuild(current, deaths)
-            devices = [d for d in jax.devices() if d.process_index in current]
+        sync = self.needs_reset and (is_new(self._synced, current) or plane.own_need(
+            self._used, self._suspect, current, self._synced) == plane.NEEDS)
+        if sync:
+            if self._sync(current, deaths):
+                devices = [d for d in jax.devices() if d.process_index in current]
         else:
             if self._synced is None:
                 self._synced = dict(current)
             if self.needs_reset and key not in self._used:
+                self._used[key] = dict(current)  # (first: a failed rendezvous leaves it suspect)
                 self.hang.long_step()  # (compiles the rendezvous program)
                 rendezvous.compile_for(devices)()
-        self._used.add(key)
         ordered = tuple(sorted(devices, key=lambda d: d.id))
-        return ordered, reset, tuple(d.id for d in ordered) not in self._meshes
+        return ordered, sync, tuple(d.id for d in ordered) not in self._meshes
 
-    def _rebuild(self, current: Mapping[int, int], deaths: deaths_lib.DeathWatch | None) -> None:
-        """Agree, clear stale rendezvous keys, barrier, rebuild the CPU backend, barrier, rendezvous."""
+    def _sync(self, current: Mapping[int, int], deaths: deaths_lib.DeathWatch | None) -> bool:
+        """Agree whether to rebuild, clear stale rendezvous keys, barrier, rebuild the CPU backend
+        where a member needs it (:mod:`jaxft.core.plane`), barrier, rendezvous: whether it rebuilt.
+
+        A member set that gains a life whose members' communicators for its list are all unused
+        (a spare swapped in for a dead member: a list nobody stepped on) keeps the backend: the
+        rendezvous opens a fresh communicator, and the state, the compiled programs and the
+        other lists' communicators stay (no backend, no state moved, no programs loaded again)."""
         self.hang.long_step()  # waits for every member, then recompiles: Timeouts.setup bounds it
         digest = map_digest(current)
         attempt = self._attempts.get(digest, 0)
         self._attempts[digest] = attempt + 1
         members = sorted(current)
+        key = tuple(members)
         namespace = f"jaxft/reset/{digest}-{attempt}"
         if self.process_id == members[0]:
             _compat.delete_stale_cpu_keys(kv.client(), topology=False)
@@ -172,37 +196,57 @@ class DataPlane:
                                                          unknown_after="reset", timeout_name="reset"),
                                lives=current)
         timeout_ms = int(self.timeouts.reset * 1000)
+        need = plane.own_need(self._used, self._suspect, current, self._synced)
+        c = kv.client()
         t0 = time.monotonic()
         with self._cancel_on_death(cancel, members, deaths):
+            # (written before this member arrives: every answer is there once the barrier passes)
+            c.key_value_set(f"{namespace}/need/{self.process_id}", json.dumps(
+                plane.answer(self._used, self._suspect, current, self._synced)), allow_overwrite=True)
             barrier(key="rebuild", timeout_ms=timeout_ms)
             t1 = time.monotonic()
-            for hook in self._pre:
+            answers = [json.loads(v) for _, v in c.key_value_dir_get(f"{namespace}/need/")]
+            rebuild = plane.rebuild_agreed([a["need"] for a in answers])
+            if rebuild:
+                self._rebuild_backend()
+            elif need == plane.FRESH:  # take the members' history: they decide alike with it
+                self._used, self._suspect = plane.history(answers)
+            for hook in self._during:
                 hook()
-            self._meshes.clear()
-            self._used.clear()
-            self._suspect.clear()
-            self._old_backends.append((weakref.ref(jax.devices()[0].client), time.monotonic()))
-            self._collect = True
-            if self.process_id == 0:
-                # Process 0's new backend writes the global topology again (the old copy would
-                # fail it with ALREADY_EXISTS): delete that copy only now, past the barrier. A
-                # process starting its backend meanwhile waits for the key; deleted before the
-                # barrier, while a rebuild that failed on a death left it unwritten, a restarted
-                # process waited in its start-up for it, and the members waited for it at their
-                # next step (until the topology timeout).
-                _compat.delete_global_topology_key(kv.client())
-            jax_backend.clear_backends()
-            jax.devices()  # rebuild now, inside the step
             t2 = time.monotonic()
-            for hook in self._post:
-                hook()
+            if rebuild:
+                for hook in self._post:
+                    hook()
             self._synced = dict(current)
+            self._used[key] = dict(current)
             connect_gloo = rendezvous.compile_for([d for d in jax.devices() if d.process_index in current])
             barrier(key="rebuilt", timeout_ms=timeout_ms)
             connect_gloo()
         self.last_reset = {"barrier_s": round(t1 - t0, 4), "backend_s": round(t2 - t1, 4),
-                           "state_s": round(time.monotonic() - t2, 4)}
-        logger.info("process %d rebuilt the CPU data plane for %s: %s", self.process_id, members, self.last_reset)
+                           "state_s": round(time.monotonic() - t2, 4), "rebuilt": rebuild}
+        logger.info("process %d %s the CPU data plane for %s: %s", self.process_id,
+                    "rebuilt" if rebuild else "kept", members, self.last_reset)
+        return rebuild
+
+    def _rebuild_backend(self) -> None:
+        """Replace the CPU backend (its arrays and programs go with it: the hooks move them)."""
+        for hook in self._pre:
+            hook()
+        self._meshes.clear()
+        self._used.clear()
+        self._suspect.clear()
+        self._old_backends.append((weakref.ref(jax.devices()[0].client), time.monotonic()))
+        self._collect = True
+        if self.process_id == 0:
+            # Process 0's new backend writes the global topology again (the old copy would
+            # fail it with ALREADY_EXISTS): delete that copy only now, past the barrier. A
+            # process starting its backend meanwhile waits for the key; deleted before the
+            # barrier, while a rebuild that failed on a death left it unwritten, a restarted
+            # process waited in its start-up for it, and the members waited for it at their
+            # next step (until the topology timeout).
+            _compat.delete_global_topology_key(kv.client())
+        jax_backend.clear_backends()
+        jax.devices()  # rebuild now, inside the step
 
     def collect_replaced(self) -> None:
         """After each commit; the first one since a rebuild (whose own step may have failed),

@@ -130,7 +130,7 @@ class ElasticLoop:
         self.group.on_reset(before=self.executor.drain)  # first: nothing may run under the rebuild
         self.group.on_reset(before=self._state_to_host, after=self.executor.programs.reset)
         self.group.on_reset(before=transfer.forget_programs)  # (they hold the old backend's meshes)
-        self.group.on_reset(before=lambda: self.faults.point("during-rebuild", self._in_step))
+        self.group.on_reset(during=lambda: self.faults.point("during-rebuild", self._in_step))  # (any sync)
         self.group.before_admission(lambda pids: self.sync.check_before_admission(self.state), may_raise=True)
         self.group.before_admission(lambda pids: self.precompiler.before_admission(pids, self.step, self.state))
         self.group.before_admission(lambda pids: self.precompiler.as_spare(pids, self.step), spare=True)

@@ -18,7 +18,7 @@ class Members:
     generation: int  # changes whenever the member map changes
     joined: tuple[int, ...]  # process ids new (or with a new incarnation) since last step
     left: tuple[int, ...]
-    reset: bool  # the data plane was rebuilt at the start of this step
+    reset: bool  # the data plane was synced (rebuilt, or its backend kept) at the start of this step
     gained: bool  # a member (maybe this process) is new since the last committed step:
     # joiners may need state. Every member computes the same value.
     mesh_is_new: bool = False  # first step on this device set: the step function compiles

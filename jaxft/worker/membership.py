@@ -118,10 +118,10 @@ class ElasticGroup:
         self._previous: dict[int, int] | None = None  # member map of the previous step
 
     # -- hooks ------------------------------------------------------------------------
-    def on_reset(self, before: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> None:
-        """Register callbacks around a data-plane rebuild (arrays die with the backend:
-        move them to host in ``before``, rebuild them in ``after``)."""
-        self.data_plane.on_reset(before, after)
+    def on_reset(self, before: Callable[[], None] | None = None, after: Callable[[], None] | None = None,
+                 during: Callable[[], None] | None = None) -> None:
+        """Callbacks around a data-plane rebuild, and inside any sync (:meth:`DataPlane.on_reset`)."""
+        self.data_plane.on_reset(before, after, during)
 
     def before_admission(self, hook: Callable[[tuple[int, ...]], None], may_raise: bool = False,
                          announced: bool = False, spare: bool = False) -> None:
