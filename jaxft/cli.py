@@ -86,6 +86,10 @@ def _add_launch(sub) -> None:
                    help="one node: a restart connects once every member dropped its previous life, not "
                         "heartbeat + 1.5 s after its death (restarts back ~3.5 s sooner; default on; "
                         "--no-early-connect: always wait out the heartbeat)")
+    p.add_argument("--standby", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep one worker interpreter per node started ahead, its imports (jax, jaxft) done, "
+                        "that the next restart becomes (a 'python -m module' or 'python script.py' command "
+                        "only; default on; --no-standby: every restart starts a fresh interpreter)")
     p.add_argument("--spares", type=int, default=0, metavar="K",
                    help="hot spares: K workers more per node, set up and compiled but out of the steps until "
                         "a member dies; one then takes its place before the next commit (default 0)")
@@ -144,7 +148,7 @@ def _launch(args, parser) -> int:
                                           bind=args.bind)),
         restart=RestartPolicy(args.restart, max_restarts=args.max_restarts, delay_s=args.restart_delay,
                               max_setup_crashes=args.max_setup_crashes, nice_restarts=_nice_restarts(args),
-                              early_connect=args.early_connect),
+                              early_connect=args.early_connect, standby=args.standby),
         shutdown=Shutdown(args.grace, checkpoint_on_stop=args.checkpoint_on_stop),
         output=Output(args.run_dir, console="raw" if args.verbose else args.console,
                       progress_every=args.progress_every),

@@ -31,11 +31,12 @@ from jaxft.supervisor.report import first_commits
 
 def run(base: str, name: str, steps: int, admission: str, faults: list[str], reduction: str,
         precompile: int = 0, pipeline: bool = False, commit_every: int | str = "auto", early_connect: bool = True,
-        spares: int = 0, nice_restarts: int | None = None) -> dict:
+        spares: int = 0, nice_restarts: int | None = None, standby: bool = True) -> dict:
     run_dir = os.path.join(base, name)
     cmd = [sys.executable, "-m", "jaxft.cli", "launch", "-n", "4", "--run-dir", run_dir, "--restart", "on-failure",
            "--heartbeat-timeout", "3", "--max-restarts", "50", *([] if early_connect else ["--no-early-connect"]),
-           "--spares", str(spares), *([] if nice_restarts is None else ["--nice-restarts", str(nice_restarts)])]
+           "--spares", str(spares), *([] if nice_restarts is None else ["--nice-restarts", str(nice_restarts)]),
+           *([] if standby else ["--no-standby"])]
     for f in faults:
         cmd += ["--fault", f]
     cmd += ["--", sys.executable, "-m", "jaxft.bench.mlp", "--steps", str(steps), "--step_sleep", "0.1",
@@ -126,6 +127,8 @@ def main() -> None:
     ap.add_argument("--spares", type=int, default=0, help="jaxft launch --spares in the faulty run")
     ap.add_argument("--nice-restarts", type=int, default=None,
                     help="jaxft launch --nice-restarts in the faulty run (default: jaxft launch's)")
+    ap.add_argument("--standby", action=argparse.BooleanOptionalAction, default=True,
+                    help="jaxft launch --standby in the faulty run (default on, as jaxft launch's)")
     ap.add_argument("--victims", default="1,1,1,1",
                     help="the processes killed at 12/24/36/48 s (issue 40's schedule: 1,2,3,0)")
     args = ap.parse_args()
@@ -137,7 +140,7 @@ def main() -> None:
     opts = (args.reduction, args.precompile, args.pipeline, args.commit_every, args.early_connect)
     ff = run(base, "fault_free", args.steps, args.admission, [], *opts)
     ft = run(base, "jaxft", args.steps, args.admission, kills, *opts, spares=args.spares,
-             nice_restarts=args.nice_restarts)
+             nice_restarts=args.nice_restarts, standby=args.standby)
     refs = [ff]
     if args.fault_free_runs == 2:
         refs.append(run(base, "fault_free_after", args.steps, args.admission, [], *opts))
@@ -146,7 +149,8 @@ def main() -> None:
     same_refs = all(params_diff(r["params"], ff["params"])["bitwise_equal"] for r in refs)
     out = {"victims": victims, "admission": args.admission, "reduction": args.reduction, "precompile": args.precompile,
            "pipeline": args.pipeline, "commit_every": args.commit_every, "early_connect": args.early_connect,
-           "spares": args.spares, "nice_restarts": args.nice_restarts, "goodput": round(ref_s / ft["train_s"], 3),
+           "spares": args.spares, "nice_restarts": args.nice_restarts, "standby": args.standby,
+           "goodput": round(ref_s / ft["train_s"], 3),
            "lost_per_kill_s": round((ft["train_s"] - ref_s) / len(kills), 3),
            "fault_free_train_s": [r["train_s"] for r in refs],
            "fault_free": {k: v for k, v in ff.items() if k != "params"},

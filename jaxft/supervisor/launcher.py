@@ -150,6 +150,7 @@ class Launcher:
                             **({"spares": list(t.spare_ids)} if t.spares else {}))
             for w in self.workers:
                 self.pool.start(w)
+            self.pool.start_standby()  # (niced: its imports come after the workers')
             exit_code = self._supervise(time.time())  # after= counts from here
         finally:
             self.pool.close()

@@ -69,6 +69,8 @@ class RestartPolicy:
         life (:func:`jaxft.protocol.restart_may_connect`) instead of after the heartbeat
         timeout + 1.5 s (default on; several nodes always wait, see docs/design.md).
       hung_after_s: a SIGSTOPped worker counts as dead after this (None: twice ``Timeouts.heartbeat``).
+      standby: keep a standby interpreter per node, its imports done, that the next restart
+        becomes (:mod:`jaxft.standby`; a Python command only; default on).
     """
 
     mode: str = "never"
@@ -78,6 +80,7 @@ class RestartPolicy:
     nice_restarts: int = 0
     early_connect: bool = True
     hung_after_s: float | None = None
+    standby: bool = True
 
     def validate(self) -> None:
         if self.mode not in RESTART_POLICIES:

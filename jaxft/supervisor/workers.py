@@ -13,7 +13,7 @@ import subprocess
 import threading
 import time
 
-from jaxft import faults, priority, protocol
+from jaxft import faults, priority, protocol, standby
 from jaxft.events import EventLog
 from jaxft.protocol import EXIT_BARRIER_TIMEOUT, EXIT_CONFIG_ERROR, EXIT_HUNG, Event
 from jaxft.supervisor import retire
@@ -21,6 +21,7 @@ from jaxft.supervisor.console import Console
 from jaxft.supervisor.coordination import ServiceLink
 from jaxft.supervisor.launch_config import LaunchConfig
 from jaxft.supervisor.procs import _exited, _fault_dir, _set_pdeathsig
+from jaxft.supervisor.standby import Standby
 from jaxft.timeouts import Timeouts
 
 # A life begun less than this before a worker's death cannot yet be a member: a restart of the
@@ -88,6 +89,7 @@ class WorkerPool:
         self.state_dir: str | None = None  # shared with the workers (open)
         self.address: str | None = None  # of the service the workers dial (open)
         self._retirer: retire.Retirer | None = None  # retires dead lives in the service (open)
+        self._standby: Standby | None = None  # the interpreter the next restart becomes (open)
 
     def open(self, address: str) -> None:
         """A fresh state dir, and the helper that retires dead lives at ``address``; no worker yet."""
@@ -96,10 +98,19 @@ class WorkerPool:
         if os.environ.get(protocol.RETIRE_LIVES) != "0":
             self._retirer = retire.Retirer(address)
             self._retirer.start()
+        if self.config.restart.standby and self.config.restart.mode != "never":
+            self._standby = Standby(self.config.command, self.common_env, self.console.say, self.state_dir)
+
+    def start_standby(self) -> None:
+        """Start this node's standby (none with ``--no-standby``, or for a command it cannot run)."""
+        if self._standby is not None:
+            self._standby.start()
 
     def close(self) -> None:
         """End every worker (:meth:`terminate_all`), the retiring helper, and the state dir."""
         self.terminate_all()
+        if self._standby is not None:
+            self._standby.close()
         if self._retirer is not None:
             self._retirer.close()
         if self.state_dir is not None:
@@ -109,8 +120,8 @@ class WorkerPool:
         return {w.process_id: w.restarts for w in self.workers}
 
     # -- a life's start ------------------------------------------------------------------
-    def env(self, worker: Worker) -> dict[str, str]:
-        """The environment of ``worker``'s current life."""
+    def common_env(self) -> dict[str, str]:
+        """What every worker's environment holds, whichever life (a standby starts with it)."""
         c, t = self.config, self.config.topology
         assert self.address is not None and self.state_dir is not None, "open() the pool first"
         env = dict(os.environ)
@@ -118,35 +129,39 @@ class WorkerPool:
         env.update({
             protocol.COORDINATOR: self.address,
             protocol.EXTERNAL_COORDINATOR: "1",
-            protocol.PROCESS_ID: str(worker.process_id),
             protocol.NUM_PROCESSES: str(t.total_processes),
-            protocol.INCARNATION: str(worker.incarnation),
             protocol.FAULTS: ";".join(c.faults),
             protocol.FAULT_STATE_DIR: self.state_dir,
             "PYTHONUNBUFFERED": "1",
         })
+        for name in (protocol.PROCESS_ID, protocol.INCARNATION, protocol.DIED_AT, protocol.PEERS_RUNNING,
+                     protocol.DROP_WITNESSES, protocol.LOCAL_DEVICE_IDS, protocol.BASE_NICE, standby.LIFE_STARTED):
+            env.pop(name, None)  # (per life: below)
         if t.spares:
             env[protocol.SPARES] = ",".join(map(str, t.spare_ids))
         else:
             env.pop(protocol.SPARES, None)
         self.timeouts.export(env)
-        if worker.died_at is not None:
-            env[protocol.DIED_AT] = f"{worker.died_at:.6f}"  # as precise as the marks compared with it
-            env[protocol.PEERS_RUNNING] = "1" if t.nnodes > 1 or self.member_may_run(worker) else "0"
-            env[protocol.DROP_WITNESSES] = ",".join(map(str, self.drop_witnesses(worker)))
-        else:
-            env.pop(protocol.PEERS_RUNNING, None)
-            env.pop(protocol.DROP_WITNESSES, None)
         if c.output.run_dir:
             env[protocol.RUN_DIR] = os.path.abspath(c.output.run_dir)
-        if t.gpus is not None:
-            env[protocol.LOCAL_DEVICE_IDS] = str(t.gpus[worker.process_id - t.first_process])
-        else:
-            env.pop(protocol.LOCAL_DEVICE_IDS, None)
         if t.gloo_interface:
             env[protocol.GLOO_INTERFACE] = t.gloo_interface
         if c.shutdown.checkpoint_on_stop:
             env[protocol.CHECKPOINT_ON_STOP] = "1"
+        return env
+
+    def env(self, worker: Worker) -> dict[str, str]:
+        """The environment of ``worker``'s current life."""
+        t = self.config.topology
+        env = self.common_env()
+        env[protocol.PROCESS_ID] = str(worker.process_id)
+        env[protocol.INCARNATION] = str(worker.incarnation)
+        if worker.died_at is not None:
+            env[protocol.DIED_AT] = f"{worker.died_at:.6f}"  # as precise as the marks compared with it
+            env[protocol.PEERS_RUNNING] = "1" if t.nnodes > 1 or self.member_may_run(worker) else "0"
+            env[protocol.DROP_WITNESSES] = ",".join(map(str, self.drop_witnesses(worker)))
+        if t.gpus is not None:
+            env[protocol.LOCAL_DEVICE_IDS] = str(t.gpus[worker.process_id - t.first_process])
         return env
 
     def member_may_run(self, worker: Worker) -> bool:
@@ -185,17 +200,23 @@ class WorkerPool:
             def preexec() -> None:
                 _set_pdeathsig()
                 priority.start_niced(nice)
-        worker.proc = subprocess.Popen(
-            list(self.config.command), env=env,
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=preexec)
+        proc = self._standby.take(env, nice) if worker.incarnation > 0 and self._standby is not None else None
+        handed = proc is not None  # (a restart: the standby interpreter became it)
+        if proc is None:
+            proc = subprocess.Popen(
+                list(self.config.command), env=env,
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=preexec)
+        worker.proc = proc
         worker.stopped_since, worker.launched_at = None, time.time()
         worker.reader = threading.Thread(target=self.console.pump,
                                          args=(worker.process_id, worker.incarnation, worker.proc.stdout),
                                          daemon=True)
         worker.reader.start()
         self.events.log(Event.LAUNCH, process=worker.process_id, incarnation=worker.incarnation,
-                        pid=worker.proc.pid, source="launcher")
+                        pid=worker.proc.pid, source="launcher", **({"standby": True} if handed else {}))
+        if handed:
+            self.start_standby()  # (the next restart's)
 
     # -- a life's end --------------------------------------------------------------------
     def signal(self, worker: Worker, sig: int) -> None:

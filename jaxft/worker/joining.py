@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 logger = logging.getLogger(__name__)
-_STARTED_AT = time.time()  # (imported at this process's start-up)
+_STARTED_AT = time.time()  # (imported at this process's start-up; a standby's: lives_lib.process_started_at)
 
 Watch = Callable[..., contextlib.AbstractContextManager]
 
@@ -200,7 +200,7 @@ class Joining:
             self._nobody_runs = False
             # every earlier life died before this process started, and a death record counts
             # against a life seen alive up to 1 s before it (see entry_query)
-            return cold, max(time.time(), _STARTED_AT + 1.0), True
+            return cold, max(time.time(), max(_STARTED_AT, lives_lib.process_started_at()) + 1.0), True
         joiner = admission_lib.Joiner(self.process_id, self.timeouts)
         since = time.monotonic()
         while True:

@@ -29,6 +29,7 @@ incarnation, heartbeat nonce and launcher incarnation; a restart overwrites it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -36,7 +37,7 @@ import socket
 import time
 from typing import Any
 
-from jaxft import protocol
+from jaxft import protocol, standby
 
 PREFIX = protocol.LIFE_PREFIX
 _IMPORTED_AT = time.time()
@@ -125,8 +126,13 @@ def over(life: Life | None, incarnation: int, state_dir: str | None = None) -> s
 
 
 def process_started_at() -> float:
-    """When this OS process started (epoch seconds; Linux ``/proc``, to ~10 ms after the boot
-    time's second), else when this module was first imported."""
+    """When this life's process started (epoch seconds; Linux ``/proc``, to ~10 ms after the boot
+    time's second), else when this module was first imported; for a standby interpreter that
+    became this life (:mod:`jaxft.standby`), when it did."""
+    handed = os.environ.get(standby.LIFE_STARTED)
+    if handed:
+        with contextlib.suppress(ValueError):
+            return float(handed)
     started = started_at("self")
     return _IMPORTED_AT if started is None else started
 
