@@ -156,8 +156,10 @@ def test_spares_take_the_places_of_killed_members_and_restarts_become_spares(tmp
 
     * The spare dies right after it said it is ready (``phase=ready``): its ready key stays in
       the service, but no member may count a life that died since it announced.
-    * Process 1 dies at step 8: no live spare is ready (2's restart waits out the heartbeat
-      first), so process 0 retries alone and trains on at width 1, asking before every step;
+    * Process 1 dies at step 8: no live spare is ready (2's restart waits out the heartbeat,
+      8 s, + 1.5 s: the dead spare was in nobody's view, so nobody's mark lets it connect early;
+      the members' first step and seven more took up to 6.1 s on a loaded machine, and with a
+      3 s heartbeat the restart was once ready first), so process 0 retries alone and trains on at width 1, asking before every step;
       when 2's restart is ready it is voted in before a step (``before_step``), or at the
       commit of a step it became ready during (the step's own votes), and the step it enters
       commits at width 2.
@@ -166,7 +168,7 @@ def test_spares_take_the_places_of_killed_members_and_restarts_become_spares(tmp
     * Process 2's restart waits to the end (exits 0, in no commit); the params are the bits of
       a 1-process run."""
     proc, evts = train(tmp_path, MLP, "--steps", str(STEPS), "--step_sleep", "0.14", *EXACT, n=2,
-                       restart="on-failure", extra=["--spares", "1", "--heartbeat-timeout", "3"],
+                       restart="on-failure", extra=["--spares", "1", "--heartbeat-timeout", "8"],
                        faults=["kill:process=2:step=0:phase=ready", "kill:process=1:step=8:phase=after-grad",
                                f"kill:process=2:step={KILL_2}:phase=after-grad"])
     why = proc.describe()
