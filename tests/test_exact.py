@@ -104,8 +104,10 @@ def test_kill_and_narrower_run_end_bitwise_equal(tmp_path):
     # longer than these 16 steps after the kill; test_admission.py checks its bits)
     worker = (MLP, "--steps", "24", "--step_sleep", "0.3", "--reduction", "exact", "--exact_chunks", "8",
               "--admission", "connect")
+    # the restart connects 5 s after the kill (a standby has its imports done): after the members'
+    # failed step 8 (here the heartbeat's, 3 s: connect admission) and their retry on 2
     proc, ev = train(tmp_path / "kill", *worker, faults=["kill:process=1:step=8"], restart="on-failure",
-                     extra=["--restart-delay", "3"])
+                     extra=["--restart-delay", "5"])
     assert proc.returncode == 0, proc.describe()
     assert by_event(ev, "step_failed", process=0), "the kill must have failed a step"
     assert any(len(e["members"]) == 2 for e in by_event(ev, "commit", process=0)), "no step ran on 2"
