@@ -159,7 +159,8 @@ def test_spares_take_the_places_of_killed_members_and_restarts_become_spares(tmp
     * Process 1 dies at step 8: no live spare is ready (2's restart waits out the heartbeat,
       8 s, + 1.5 s: the dead spare was in nobody's view, so nobody's mark lets it connect early;
       the members' first step and seven more took up to 6.1 s on a loaded machine, and with a
-      3 s heartbeat the restart was once ready first), so process 0 retries alone and trains on at width 1, asking before every step;
+      3 s heartbeat the restart was once ready first), so process 0 retries alone and trains on
+      at width 1, asking before every step;
       when 2's restart is ready it is voted in before a step (``before_step``), or at the
       commit of a step it became ready during (the step's own votes), and the step it enters
       commits at width 2.
