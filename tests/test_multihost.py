@@ -330,8 +330,10 @@ def test_spares_across_hosts_take_the_places_of_a_remote_worker_and_of_a_lost_ho
     late = {e["process"] for e in evts if e["event"] == "exit" and e["process"] in (0, 1, 2)
             and e["time"] > t_kill + 5 and e.get("code") == 0}
     assert back | late == {0, 1, 2}, (back, late, widths)
+    # every member of the last step logs a final: 4 of them, or 3 when host 0's restarts were late
     finals = {e["process"]: e for e in evts if e["event"] == "final"}
-    assert len(finals) == 4 and {f["step"] for f in finals.values()} == {SPARE_STEPS}, finals
+    last = set(next(iter(members[SPARE_STEPS - 1])))
+    assert set(finals) == last and {f["step"] for f in finals.values()} == {SPARE_STEPS}, (finals, last)
     assert {f["params_sha256"] for f in finals.values()} == {one_process_exact(SPARE_STEPS)}, finals
 
 
