@@ -30,7 +30,7 @@ def test_only_a_python_module_or_script_is_served(command, expected):
 
 def _probe_run(tmp_path: Path, command: list[str], *options: str, env: dict | None = None):
     run_dir, out = tmp_path / "run", tmp_path / "found.json"
-    result = launch(1, [*command, str(out)], "--restart", "on-failure", *options, run_dir=run_dir, timeout=60,
+    result = launch(2, [*command, str(out)], "--restart", "on-failure", *options, run_dir=run_dir, timeout=60,
                     env=env)
     return result, events(run_dir), out
 
@@ -44,7 +44,7 @@ def test_a_restart_becomes_the_standby_with_its_own_life(tmp_path, form):
     command = [PYTHON, str(PROBE)] if form == "script" else [PYTHON, "-m", "standby_probe"]
     result, evts, out = _probe_run(tmp_path, command, env=env)
     assert result.returncode == 0, result.describe()
-    [first, restart] = by_event(evts, "launch")
+    [first, restart] = by_event(evts, "launch", process=0)
     assert "standby" not in first and restart["standby"] is True, (first, restart)
     found = json.loads(out.read_text())
     assert found["pid"] == restart["pid"], (found, restart)
@@ -74,7 +74,7 @@ def test_a_standby_that_cannot_start_leaves_restarts_as_they_were(tmp_path):
                                            cwd=tmp_path).returncode == 0:
         pytest.skip(f"needs an interpreter without jaxft ({bare})")
     run_dir, out = tmp_path / "run", tmp_path / "found.json"
-    result = run([*JAXFT, "launch", "-n", "1", "--restart", "on-failure", "--console", "raw", "--run-dir",
+    result = run([*JAXFT, "launch", "-n", "2", "--restart", "on-failure", "--console", "raw", "--run-dir",
                   str(run_dir), "--", str(bare), str(PROBE), str(out)], timeout=60, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.describe()
     assert not [e for e in by_event(events(run_dir), "launch") if e.get("standby")], result.describe()
