@@ -69,6 +69,16 @@ def restore() -> bool:
     if base is None:
         return False
     target = int(base)
+    failed, total = set_all_threads(target)
+    if failed:
+        logger.warning("could not restore the CPU priority of %d of %d threads (nice %d): this worker "
+                       "trains niced", failed, total, target)
+    return True
+
+
+def set_all_threads(nice: int) -> tuple[int, int]:
+    """Give every thread of this process the nice value ``nice`` (Linux nice values are per
+    thread): ``(threads it could not set, threads)``."""
     tids = [0]
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
@@ -77,11 +87,8 @@ def restore() -> bool:
     failed = 0
     for tid in tids:
         try:
-            if os.getpriority(os.PRIO_PROCESS, tid) != target:
-                os.setpriority(os.PRIO_PROCESS, tid, target)
+            if os.getpriority(os.PRIO_PROCESS, tid) != nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
         except OSError:
             failed += 1
-    if failed:
-        logger.warning("could not restore the CPU priority of %d of %d threads (nice %d): this worker "
-                       "trains niced", failed, len(tids), target)
-    return True
+    return failed, len(tids)

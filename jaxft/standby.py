@@ -2,7 +2,7 @@
 
 A restarted worker used to spend its first second or more importing jax, numpy, optax and
 jaxft before it could connect (docs/benchmarks.md), while the members trained without it.
-``jaxft launch`` keeps one standby per node (:class:`jaxft.supervisor.standby.StandbyPool`):
+``jaxft launch`` keeps one standby per node (:class:`jaxft.supervisor.standby.Standby`):
 ``<the workers' python> -m jaxft.standby``, with the workers' common environment, imports the
 worker side (:data:`PRELOAD`), says it is ready (a file) and waits. When a worker dies, the launcher writes one line
 to the standby's stdin (:func:`order`: the new life's environment and nice value), and the
@@ -29,6 +29,8 @@ import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
+
+from jaxft import priority
 
 LIFE_STARTED = "JAXFT_LIFE_STARTED"  # set by a standby as it becomes a life: when (epoch seconds)
 
@@ -78,19 +80,6 @@ def _preload() -> None:
             pass
 
 
-def _set_nice(nice: int) -> None:
-    """Every thread of this process to ``nice`` (Linux nice values are per thread)."""
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        tids = [0]
-    for tid in tids:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-        except OSError:
-            pass
-
-
 def _become(target: Target, env: Mapping[str, str], nice: int | None) -> None:
     """Take the life's environment, stdin and priority, then run ``target`` as ``__main__``."""
     import runpy
@@ -99,7 +88,7 @@ def _become(target: Target, env: Mapping[str, str], nice: int | None) -> None:
     os.environ.update(env)
     os.environ[LIFE_STARTED] = f"{time.time():.6f}"
     if nice is not None:
-        _set_nice(nice)
+        priority.set_all_threads(nice)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)

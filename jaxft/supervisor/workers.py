@@ -203,8 +203,8 @@ class WorkerPool:
         # A restart takes the standby only while a member runs on (it is admitted like any joiner):
         # the restarts of a failure that took every local worker start cold together, and one
         # of them far ahead of the others would start the run without them.
-        handoff = worker.incarnation > 0 and self._standby is not None and self.member_may_run(worker)
-        proc = self._standby.take(env, nice) if handoff and self._standby is not None else None
+        candidate = self._standby if worker.incarnation > 0 and self.member_may_run(worker) else None
+        proc = candidate.take(env, nice) if candidate is not None else None
         handed = proc is not None  # (a restart: the standby interpreter became it)
         if proc is None:
             proc = subprocess.Popen(

@@ -196,20 +196,19 @@ class DataPlane:
                                                          unknown_after="reset", timeout_name="reset"),
                                lives=current)
         timeout_ms = int(self.timeouts.reset * 1000)
-        need = plane.own_need(self._used, self._suspect, current, self._synced)
+        mine = plane.answer(self._used, self._suspect, current, self._synced)
         c = kv.client()
         t0 = time.monotonic()
         with self._cancel_on_death(cancel, members, deaths):
             # (written before this member arrives: every answer is there once the barrier passes)
-            c.key_value_set(f"{namespace}/need/{self.process_id}", json.dumps(
-                plane.answer(self._used, self._suspect, current, self._synced)), allow_overwrite=True)
+            c.key_value_set(f"{namespace}/need/{self.process_id}", json.dumps(mine), allow_overwrite=True)
             barrier(key="rebuild", timeout_ms=timeout_ms)
             t1 = time.monotonic()
             answers = [json.loads(v) for _, v in c.key_value_dir_get(f"{namespace}/need/")]
             rebuild = plane.rebuild_agreed([a["need"] for a in answers])
             if rebuild:
                 self._rebuild_backend()
-            elif need == plane.FRESH:  # take the members' history: they decide alike with it
+            elif mine["need"] == plane.FRESH:  # take the members' history: they decide alike with it
                 self._used, self._suspect = plane.history(answers)
             for hook in self._during:
                 hook()
