@@ -418,3 +418,68 @@ def test_a_cold_start_process_named_in_an_answer_it_never_got_joins_the_others(t
     fs = finals(events)
     assert sorted(f["process"] for f in fs) == [0, 1, 2, 3], why
     assert {f["params_sha256"] for f in fs} == {one_process_exact(steps)}, why
+
+
+STALE_ENTRY = str(Path(__file__).parent / "workers" / "stale_member_entry.py")
+
+
+def test_a_member_named_in_an_entry_answer_it_never_got_enters_with_the_others(tmp_path, one_process_exact):
+    # Soak seed 2's hang at step 94, made deterministic (tests/workers/stale_member_entry.py):
+    # process 2's first life leaves the exit query over (0, 1, 2) open, counted in, when 1 dies,
+    # then dies itself. Once the restarts are admitted, the members' asks over all three complete
+    # that query, naming 2's new life, whose own ask comes later and opens a new one. Before: the
+    # members waited for 2 in the step, 2 for them in that new query, for ever. Now 2 finds the
+    # members record of the step they entered with it, and enters with them.
+    steps = 60
+    proc, events = train(tmp_path, STALE_ENTRY, "--steps", str(steps), "--step_sleep", "0.1", *EXACT, n=3,
+                         faults=["kill:process=1:step=5:phase=after-grad", "kill:process=2:step=6"],
+                         restart="on-failure", extra=["--heartbeat-timeout", "3"], timeout=180)
+    why = proc.describe()
+    assert proc.returncode == 0, why
+    assert ("process 2: the others entered the step over [0, 1, 2] with it on an answer it never got"
+            in proc.stdout), why
+    by_step = commits_by_step(events)
+    assert sorted(by_step) == list(range(steps)), why
+    for step, commits in by_step.items():
+        members = {tuple(c["members"]) for c in commits}
+        assert len(members) == 1 and sorted(c["process"] for c in commits) == list(commits[0]["members"]), step
+    assert by_step[steps - 1][0]["members"] == [0, 1, 2], why
+    fs = finals(events)
+    assert sorted(f["process"] for f in fs) == [0, 1, 2], why
+    assert {f["params_sha256"] for f in fs} == {one_process_exact(steps)}, why
+
+
+LAST_DIES_LATE = str(Path(__file__).parent / "workers" / "last_member_dies_late.py")
+
+
+def test_a_cold_start_after_the_last_member_died_is_not_held_by_its_members_record(tmp_path, one_process_exact):
+    # Soak seed 2's other hang, made deterministic (tests/workers/last_member_dies_late.py): 0 and
+    # 3 die; 1 dies; 2, alone, enters its next step over 2 alone (a members record newer than the
+    # restarts of 0 and 3) and dies once a restart waits to be admitted. Every process then
+    # starts cold; 2's restart connects once 1's has confirmed an answer without 2. Before: each
+    # cold query of 0 and 3 gave up at once on 2's record ('the others started without it'),
+    # found nobody running and asked again, for ever, never asking the set 1 confirms. Now a
+    # members record written before a process found its writers gone no longer counts.
+    steps = 80
+    proc, events = train(tmp_path, LAST_DIES_LATE, "--steps", str(steps), "--step_sleep", "0.1",
+                         "--checkpoint_every", "5", *EXACT, n=4, restart="on-failure",
+                         extra=["--heartbeat-timeout", "3"], timeout=180,
+                         faults=["kill:process=0:step=6", "kill:process=3:step=6", "kill:process=1:step=8"])
+    why = proc.describe()
+    assert proc.returncode == 0, why
+    alone = [c["step"] for c in of(events, "commit", process=2, incarnation=0) if c["members"] == [2]]
+    assert alone, why
+    (restored, *_) = of(events, "restored")  # (a cold start, from the newest checkpoint: steps again)
+    assert restored["step"] <= alone[-1] + 1, why
+    by_step = commits_by_step(events)
+    assert sorted(by_step) == list(range(steps)), why
+    cold = commits_by_step([e for e in events if e["time"] > restored["time"]])  # (the cold start on)
+    assert sorted(cold) == list(range(restored["step"], steps)), why
+    for step, commits in cold.items():
+        members = {tuple(c["members"]) for c in commits}
+        assert len(members) == 1 and sorted(c["process"] for c in commits) == list(commits[0]["members"]), step
+    assert cold[restored["step"]][0]["members"] == [0, 1, 3], why  # (2's restart came later)
+    assert cold[steps - 1][0]["members"] == [0, 1, 2, 3], why
+    fs = finals(events)
+    assert sorted(f["process"] for f in fs) == [0, 1, 2, 3], why
+    assert {f["params_sha256"] for f in fs} == {one_process_exact(steps)}, why

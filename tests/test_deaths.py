@@ -456,3 +456,29 @@ def test_a_cold_start_process_left_in_its_first_query_reads_the_others_records()
     older = cs.Record(writer=2, pids=(0, 1, 2, 3), time=1.0, lives={0: 5, 1: 9, 2: 6, 3: 4})
     assert cs.stranded(1, 9, cold, cold, [older, entered], []) == cs.Joined()  # (the newest record counts)
     assert cs.adoptable(3, None, entered) is None and cs.adoptable(3, 7, None) is None
+    # in the switched query (its set is no longer the cold start's), the members records still count
+    assert cs.stranded(3, 7, (0, 2, 3), cold, [entered], [confirm]) == cs.Adopt({0: 5, 2: 6, 3: 7})
+
+
+def test_a_member_left_in_a_later_entry_query_takes_the_entry_the_others_entered_with():
+    from jaxft.core import coldstart as cs
+
+    entered = cs.Record(writer=0, pids=(0, 2, 3), time=3.0, lives={0: 5, 2: 6, 3: 7})
+    expected = {0: 5, 3: 7}  # (the members' lives it knows; a joiner's may be -1: not read)
+    last = {1: 4, 2: 6, 3: 7}  # the entry it last entered with
+    # the others entered the step over the set it asks, with this life: it enters with them
+    assert cs.entered_with(2, 6, [0, 2, 3], expected, last, [entered]) == cs.Adopt({0: 5, 2: 6, 3: 7})
+    assert cs.entered_with(2, 6, [0, 2, 3], {0: -1, 3: 7}, last, [entered]) == cs.Adopt({0: 5, 2: 6, 3: 7})
+    # not with an earlier life of it, nor over another set, nor with no record (or no life known)
+    assert cs.entered_with(2, 4, [0, 2, 3], expected, last, [entered]) is None
+    assert cs.entered_with(2, 6, [0, 1, 2, 3], expected, last, [entered]) is None
+    assert cs.entered_with(2, 6, [0, 2, 3], expected, last, []) is None
+    assert cs.entered_with(2, None, [0, 2, 3], expected, last, [entered]) is None
+    # not with lives other than those it expects (a record of another step: 0's earlier life)
+    assert cs.entered_with(2, 6, [0, 2, 3], {0: 8, 3: 7}, last, [entered]) is None
+    # not the entry it last entered with: the record may be that step's
+    assert cs.entered_with(2, 6, [0, 2, 3], expected, {0: 5, 2: 6, 3: 7}, [entered]) is None
+    # the newest record decides: the others moved on over another set since
+    later = cs.Record(writer=3, pids=(2, 3), time=4.0, lives={2: 6, 3: 7})
+    assert cs.entered_with(2, 6, [0, 2, 3], expected, last, [entered, later]) is None
+    assert cs.entered_with(2, 6, [2, 3], {3: 7}, last, [entered, later]) == cs.Adopt({2: 6, 3: 7})

@@ -10,7 +10,7 @@ they decide, and a simulation drives them through thousands of interleavings
 * :mod:`~jaxft.core.commit`: one member's step, from its entry to commit or fail;
 * :mod:`~jaxft.core.step`: what the members decide from a step's agreed votes;
 * :mod:`~jaxft.core.votes`: the votes' layout;
-* :mod:`~jaxft.core.coldstart`: a cold start's process named in an answer it never got;
+* :mod:`~jaxft.core.coldstart`: a process named in an entry answer it never got;
 * :mod:`~jaxft.core.batching`: how many steps one commit query covers (``commit_every="auto"``);
 * :mod:`~jaxft.core.spares`: the width, and when a spare enters;
 * :mod:`~jaxft.core.rejoin`: who is new, who donates, who is refused;

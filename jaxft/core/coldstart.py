@@ -19,6 +19,9 @@ connected process in the query as having asked). ``p`` asks later, alone in a ne
 * if the others started without ``p`` (a members record without it), ``p`` joins them as a
   restart does (:class:`Joined`; it waits to be admitted).
 
+The same can strand a member in a later step's entry query (:func:`entered_with`): it takes
+the members' entry too.
+
 Seen in the soak with early connects (docs/design.md, 'A restart connects once the members
 dropped its previous life'): two members confirming ``{0, 2, 3}``, process 3 and process 1's
 restart in a query over all four, each pair waiting for the other.
@@ -92,3 +95,32 @@ def adoptable(process_id: int, incarnation: int | None, newest: Record | None) -
     if newest.lives.get(process_id) != incarnation:
         return None
     return dict(newest.lives)
+
+
+def entered_with(process_id: int, incarnation: int | None, asked: Sequence[int], expected: Mapping[int, int],
+                 last_entry: Mapping[int, int] | None, members: Sequence[Record]) -> Adopt | None:
+    """A member (or an admitted joiner) waiting in a step's entry query over ``asked``: the
+    others' entry if the newest members record (of all, ``members``) is over exactly ``asked``,
+    names this life (``incarnation``) and every life this process expects (``expected``: the
+    members' and joiners' it knows, -1 for one it does not), and is not the entry this process
+    last entered with (``last_entry``: such a record may be that step's); None otherwise.
+
+    Not only cold starts: an earlier life of this process that left a query over ``asked``
+    (re-asked on a death record, then died) is still counted in it by the service. The
+    others' asks over ``asked`` complete that query, and the answer names this life; an ask of
+    this life that reaches the service a moment later opens a new query, where it would wait for
+    ever while the others wait for it inside the step (soak seed 2, step 94). A record can name
+    this life over ``asked`` with those lives only if the members entered a step so since this
+    process last entered one (each member rewrites its record whenever its entry changes, and a
+    member that left a set died: its life changed)."""
+    if incarnation is None or not members:
+        return None
+    newest = max(members, key=lambda r: r.time)
+    if sorted(newest.pids) != sorted(asked):
+        return None
+    entry = adoptable(process_id, incarnation, newest)
+    if entry is None or (last_entry is not None and dict(last_entry) == entry):
+        return None
+    if any(life >= 0 and entry.get(p) != life for p, life in expected.items()):
+        return None
+    return Adopt(entry)

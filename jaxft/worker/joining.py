@@ -74,6 +74,9 @@ class Joining:
         self._admitted_by: dict[int, int] = {}  # the members (process -> incarnation) that admitted this process
         self._admitted: dict[int, int] = {}  # the joiners being admitted -> the life each registered
         self._watcher: admission_lib.ReadyWatcher | None = None
+        # when _join last found nobody running: the members records written before then are of
+        # lives it saw gone (a cold start's watch counts only later ones); None: it did not look
+        self._stale_before: float | None = None
 
     # -- hooks ------------------------------------------------------------------------
     def before_admission(self, hook: Callable[[tuple[int, ...]], None], may_raise: bool = False,
@@ -102,17 +105,21 @@ class Joining:
 
     # -- a joiner's way in ------------------------------------------------------------
     def entry_query(self, client, plan: commit_core.QueryEntry | commit_core.FirstStep,
-                    deaths: deaths_lib.DeathWatch, incarnation: int | None) -> dict[int, int]:
+                    deaths: deaths_lib.DeathWatch, incarnation: int | None,
+                    last_entry: Mapping[int, int] | None = None) -> dict[int, int]:
         """The step's entry liveness query over the members plus those admitted at the last
         commit; on this process's first step over what :meth:`_join` says (``incarnation``:
-        this life's, as it registered, :func:`jaxft.worker.lives.register`)."""
+        this life's, as it registered, :func:`jaxft.worker.lives.register`; ``last_entry``: the
+        entry of the last step it entered, None before its first)."""
         switch: tuple[int, ...] | None = None  # the set a stranded cold start's process asks instead
+        give_up: coldstart.ColdStartWatch | coldstart.EntryWatch | None = None
+        confirm = None
         while True:
-            give_up: coldstart.ColdStartWatch | None = None
             admitted: dict[int, int] = {}
             lives: Mapping[int, int] | None = None
-            confirm = None
             if switch is not None:
+                # (with the cold start's watch: the others may yet enter a step with this life
+                # on the query over the cold set it left, where the service counts it in)
                 pids, switch = list(switch), None
             elif isinstance(plan, commit_core.FirstStep):
                 joined = self._join(incarnation)
@@ -135,29 +142,30 @@ class Joining:
                     # died in their first step), or took an answer naming it from a query an
                     # earlier life of it entered, this query would never be answered
                     give_up = coldstart.ColdStartWatch(self.process_id, incarnation, pids, lambda: deaths.asking,
-                                                      since=lives_lib.process_started_at())
+                                                      since=lives_lib.process_started_at(),
+                                                      members_since=self._stale_before)
                     confirm = functools.partial(coldstart.publish_confirm, writer=self.process_id)
+                else:  # admitted (coldstart.EntryWatch: as a member's entry query, below)
+                    give_up = coldstart.EntryWatch(self.process_id, incarnation, lambda: deaths.asking,
+                                                   expected=self._admitted_by, last_entry=None)
+                    confirm = None
                 # admitted: a member's state will replace what the put-off hooks would set up; they
                 # are kept until this life's first commit, for the case the members die first
             else:
                 pids, lives = list(plan.pids), plan.lives
                 admitted = {p: self._admitted.get(p, -1) for p in plan.expect}  # (-1: not read)
+                give_up = coldstart.EntryWatch(self.process_id, incarnation, lambda: deaths.asking,
+                                               expected={**plan.lives, **admitted}, last_entry=last_entry)
+                confirm = None
             try:
                 with self._watch("entering a step"):
                     return deaths.live_nodes(client.get_live_nodes, pids, admitted=admitted, give_up=give_up,
                                              lives=lives, on_confirm=confirm)
             except deaths_lib.GaveUp:
-                move = give_up.move if give_up is not None else None
+                move = coldstart.told(self.process_id, give_up)
                 if isinstance(move, coldstart_core.Adopt):
-                    logger.warning("process %d: the others entered the first step with it on an answer it never "
-                                   "got (a query an earlier life of it entered); entering with them", self.process_id)
                     return dict(move.entry)
-                if isinstance(move, coldstart_core.Switch):
-                    logger.warning("process %d: the others confirm %s on an answer it never got; asking that",
-                                   self.process_id, list(move.pids))
-                    switch = move.pids
-                else:
-                    logger.info("process %d: the others started without it; joining them", self.process_id)
+                switch = move.pids if isinstance(move, coldstart_core.Switch) else None
 
     def check_entry(self, entry: Mapping[int, int]) -> None:
         """Until this process's first commit: if none of the lives that admitted it is in the
@@ -203,9 +211,16 @@ class Joining:
             return cold, max(time.time(), max(_STARTED_AT, lives_lib.process_started_at()) + 1.0), True
         joiner = admission_lib.Joiner(self.process_id, self.timeouts)
         since = time.monotonic()
+        self._stale_before = None
         while True:
+            looked_at = time.time()
             running = joiner.running_members(settle_s=max(1.5, 0.5 * self.timeouts.heartbeat))
             if running is None and not spare:
+                # the newest record's members did not beat: every record so far is of gone lives.
+                # Without this, a record a dead member wrote after this life began made each new
+                # cold query give up at once ('the others started without it') and come back here,
+                # for ever, while the others waited for it in that query (soak seed 2)
+                self._stale_before = looked_at
                 return cold, time.time(), True
             if running is not None and self.process_id not in running:
                 admitted = self._wait_admitted(joiner, running)
@@ -214,6 +229,7 @@ class Joining:
                 if not spare:  # every member died meanwhile: start with the others' restarts
                     logger.warning("process %d: the members stopped while it waited to be admitted; starting cold",
                                    self.process_id)
+                    self._stale_before = time.time()  # (their records are of gone lives, as above)
                     return cold, time.time(), True
                 since = time.monotonic()  # a spare waits for the members' restarts
             # Still listed: the members have not yet entered a step without this process's

@@ -238,14 +238,14 @@ class ElasticGroup:
         query runs over the processes that entered, so a restarted life of a process that was
         left out is never pulled into the members' barrier before it is ready.
         """
-        client = kv.client()
+        client, plan = kv.client(), self._step.plan_entry()
         if self._deaths is None:
             self._deaths = deaths_lib.DeathWatch()
-        plan = self._step.plan_entry()
         if isinstance(plan, commit_core.UseCommitted):
             entry = dict(plan.entry)  # the last commit's live set: no round trip
         else:
-            entry = self._joining.entry_query(client, plan, self._deaths, self.life.incarnation if self.life else None)
+            life = self.life.incarnation if self.life else None
+            entry = self._joining.entry_query(client, plan, self._deaths, life, last_entry=self._previous)
         if self._published != tuple(sorted(entry)):
             # every member got the same entry answer: each tells joiners who runs, with its own
             # heartbeat (one write per member when the members change, none in steady state)
