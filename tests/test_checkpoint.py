@@ -308,7 +308,9 @@ def test_kill_during_save_never_leaves_a_partial_checkpoint(tmp_path, reference,
     published = {e["step"]: e["time"] for e in helpers.by_event(ev, "checkpoint_saved", process=survivor)}
     assert r == 5 or r in published, (r, published)
     assert r != 10 or saved, (r, abandoned)
-    assert r >= max(s for s in [5, *published] if published.get(s, 0) < restored[0]["time"] - 1.0), (r, published)
+    # (none a second before it: a standby's restart restored 0.8 s after 10 was published)
+    settled = [s for s in [5, *published] if published.get(s, 0) < restored[0]["time"] - 1.0]
+    assert r >= max(settled, default=5), (r, published)
     assert not helpers.by_event(ev, "checkpoint_rejected")
     first_commit = min(e["step"] for e in helpers.by_event(ev, "commit", process=victim, incarnation=1))
     assert first_commit == r or helpers.by_event(ev, "rehydrated", process=victim), (r, first_commit)
