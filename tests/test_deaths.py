@@ -7,7 +7,7 @@ import time
 import pytest
 
 from jaxft import protocol
-from jaxft.worker import deaths, dirwatch
+from jaxft.worker import asking, deaths, dirwatch
 from jaxft.worker import lives as lives_lib
 
 
@@ -376,16 +376,16 @@ def test_a_query_thread_is_reused_once_its_query_returned_and_never_while_one_ha
         return {0: 1}
 
     # (the thread files itself as idle before it hands over the answer: no race here)
-    assert deaths._ask(lambda pids: who(), [0]).result(timeout=5) == {0: 1}
-    assert deaths._ask(lambda pids: who(), [0]).result(timeout=5) == {0: 1}
+    assert asking.ask(lambda pids: who(), [0]).result(timeout=5) == {0: 1}
+    assert asking.ask(lambda pids: who(), [0]).result(timeout=5) == {0: 1}
     assert names[0] is names[1], "the second query ran on a new thread"
 
     # a query that never returns (abandoned) keeps its thread; the next one gets another
     release = threading.Event()
-    hung = deaths._ask(lambda pids: release.wait(30), [0, 1])
+    hung = asking.ask(lambda pids: release.wait(30), [0, 1])
     time.sleep(0.05)
     assert not hung.done()
-    assert deaths._ask(lambda pids: who(), [0]).result(timeout=5) == {0: 1}
+    assert asking.ask(lambda pids: who(), [0]).result(timeout=5) == {0: 1}
     release.set()
     assert hung.result(timeout=5) is True
 
@@ -394,9 +394,9 @@ def test_a_query_thread_is_reused_once_its_query_returned_and_never_while_one_ha
         raise RuntimeError("service gone")
 
     with pytest.raises(RuntimeError, match="service gone"):
-        deaths._ask(boom, [0]).result(timeout=5)
-    assert deaths._ask(lambda pids: sorted(pids), [2, 1]).result(timeout=5) == [1, 2]
-    assert len(deaths._QueryThread._idle) <= deaths._QueryThread.IDLE_MAX
+        asking.ask(boom, [0]).result(timeout=5)
+    assert asking.ask(lambda pids: sorted(pids), [2, 1]).result(timeout=5) == [1, 2]
+    assert len(asking.QueryThread._idle) <= asking.QueryThread.IDLE_MAX
 
 
 def test_a_restart_may_connect_once_every_witness_dropped_its_dead_life(tmp_path, monkeypatch):
@@ -482,3 +482,36 @@ def test_a_member_left_in_a_later_entry_query_takes_the_entry_the_others_entered
     later = cs.Record(writer=3, pids=(2, 3), time=4.0, lives={2: 6, 3: 7})
     assert cs.entered_with(2, 6, [0, 2, 3], expected, last, [entered, later]) is None
     assert cs.entered_with(2, 6, [2, 3], {3: 7}, last, [entered, later]) == cs.Adopt({2: 6, 3: 7})
+
+
+def test_a_query_left_on_adopting_the_others_entry_is_the_next_ask_over_its_set(tmp_path):
+    from jaxft.core import liveness
+
+    # the rule: an answered left query is taken only for its joiners' lives, or when left on adopting
+    assert liveness.reuse_left_query(False, None, {})
+    assert not liveness.reuse_left_query(True, {0: 1, 2: 3}, {})
+    assert liveness.reuse_left_query(True, {0: 1, 2: 3}, {}, adopted=True)
+    assert liveness.reuse_left_query(True, {0: 1, 2: 3}, {2: 3})
+    assert not liveness.reuse_left_query(True, {0: 1, 2: 4}, {2: 3})
+
+    def run(adopt: bool) -> tuple[dict, int]:
+        release, calls = threading.Event(), []
+
+        def query(pids):  # the service: the first ask is answered once the others ask (release)
+            calls.append(list(pids))
+            if len(calls) == 1:
+                release.wait(10)
+                return {0: 1, 1: 2, 2: 3}  # (their exit answer, completing the left query)
+            return {0: 9, 1: 9, 2: 9}  # an ask anew: a later query's answer
+
+        w = deaths.DeathWatch(str(tmp_path), poll_s=0.002)
+        with pytest.raises(deaths.GaveUp):
+            w.live_nodes(query, [0, 1, 2], give_up=lambda: True)  # (the watch gave up: it adopts)
+        if adopt:
+            w.adopted({0: 1, 1: 2, 2: 3})
+        release.set()  # the others' next ask over {0, 1, 2} completes the query it left
+        time.sleep(0.05)
+        return w.live_nodes(query, [0, 1, 2]), len(calls)
+
+    assert run(adopt=True) == ({0: 1, 1: 2, 2: 3}, 1)  # its exit answer is theirs
+    assert run(adopt=False) == ({0: 9, 1: 9, 2: 9}, 2)  # (without: asked anew, one query out of step)

@@ -54,7 +54,8 @@ def on_deaths(asked: Collection[int], dead: Collection[int]) -> Ask | None:
     return Ask(tuple(sorted(p for p in asked if p not in gone)))
 
 
-def reuse_left_query(answered: bool, answer: Mapping[int, int] | None, admitted: Mapping[int, int]) -> bool:
+def reuse_left_query(answered: bool, answer: Mapping[int, int] | None, admitted: Mapping[int, int],
+                     adopted: bool = False) -> bool:
     """Whether a member about to ask over a set must instead wait on the query over that same
     set it left earlier (the service still counts it in there). ``admitted``: the joiners
     being admitted into the set, each with the life (service incarnation) it registered
@@ -69,8 +70,14 @@ def reuse_left_query(answered: bool, answer: Mapping[int, int] | None, admitted:
     this member admitted the joiner itself: another member admitted it first, and the
     joiner's first ask completed the query this member had left (it then asked anew and
     waited for the others for ever: seen on issue 40's schedule, 2 of 5 runs).
+
+    A query left when this process entered a step on the others' answer to another query
+    (``adopted``, :mod:`jaxft.core.coldstart`) is always taken, answered or not: its ask is
+    still counted in the service, so the others' next ask over that set (the step's exit
+    query) completes it, and that answer is this process's exit answer too. Asked anew, it
+    waited alone while they ran the next step without it (a member's all-reduce timed out).
     """
-    if not answered:
+    if not answered or adopted:
         return True
     if answer is None or not admitted:
         return False

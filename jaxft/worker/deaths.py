@@ -37,6 +37,7 @@ from jaxft import protocol
 from jaxft.core import liveness
 from jaxft.worker import dirwatch
 from jaxft.worker import lives as lives_lib
+from jaxft.worker.asking import ask as _ask
 
 _ASKED = "asked"  # key of the set last asked in an answer of DeathWatch._ask_once
 
@@ -61,6 +62,7 @@ class DeathWatch:
         # Queries left waiting for a dead process, by process set: the service keeps each one
         # open (this process counted in) until every live process of the set has asked.
         self._abandoned: dict[tuple[int, ...], concurrent.futures.Future] = {}
+        self._adopted: set[tuple[int, ...]] = set()  # of those, left on adopting the others' entry
         self.asking: tuple[int, ...] = ()  # the set of the query asked last
         self.noticed: dict[int, str] = {}  # process -> how a query of this process learnt its life was over
         self._lock = threading.Lock()  # dead() is called from a Tripwire's thread too
@@ -216,10 +218,23 @@ class DeathWatch:
         :meth:`_reuse`."""
         self._abandoned[key] = future
 
+    def adopted(self, entry: Mapping[int, int]) -> None:
+        """This process enters a step on the others' ``entry`` (:mod:`jaxft.core.coldstart`): a
+        query over that set it left and that is still open is completed by their next ask over
+        it (the step's exit query), so its own next ask there takes that query, answered or not
+        (:func:`jaxft.core.liveness.reuse_left_query`). One answered already was theirs to
+        enter with."""
+        key = tuple(sorted(entry))
+        future = self._abandoned.get(key)
+        if future is not None and not future.done():
+            self._adopted.add(key)
+
     def _reuse(self, key: tuple[int, ...], admitted: Mapping[int, int]) -> concurrent.futures.Future | None:
         """The query over ``key`` this process left earlier, if it must wait on that one instead
         of asking anew (:func:`jaxft.core.liveness.reuse_left_query`)."""
         future = self._abandoned.pop(key, None)
+        adopted = key in self._adopted
+        self._adopted.discard(key)
         if future is None:
             return None
         answer = None
@@ -228,7 +243,7 @@ class DeathWatch:
                 answer = {int(p): int(i) for p, i in future.result().items()}
             except Exception:  # noqa: BLE001 - a failed old query: ask again
                 return None
-        return future if liveness.reuse_left_query(future.done(), answer, admitted) else None
+        return future if liveness.reuse_left_query(future.done(), answer, admitted, adopted) else None
 
 
 class Tripwire:
@@ -335,63 +350,3 @@ class Canceller:
             yield
         finally:
             self._tripwire.disarm()
-
-
-class _QueryThread:
-    """A daemon thread that runs one query at a time and waits for the next once it returns.
-
-    Starting a thread per query was a sizeable part of each step's exit query (measured:
-    docs/benchmarks.md, 'Figures behind the code'); handing a query to a waiting thread costs a
-    lock release. A query that never returns (abandoned: it waits for a dead process) keeps its
-    thread, which is never handed another one; the next query gets another thread."""
-
-    IDLE_MAX = 2  # threads kept waiting; more are only ever needed while queries are abandoned
-    _idle: list[_QueryThread] = []
-    _lock = threading.Lock()
-
-    def __init__(self) -> None:
-        self._go = threading.Lock()
-        self._go.acquire()
-        self._job: tuple[Callable[[], Any], concurrent.futures.Future] | None = None
-        threading.Thread(target=self._run, name="jaxft-live", daemon=True).start()
-
-    @classmethod
-    def submit(cls, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with cls._lock:
-            worker = cls._idle.pop() if cls._idle else None
-        if worker is None:
-            worker = cls()
-        worker._job = (fn, future)
-        worker._go.release()
-        return future
-
-    def _run(self) -> None:
-        while True:
-            self._go.acquire()
-            job, self._job = self._job, None
-            assert job is not None  # (set before _go is released)
-            fn, future = job
-            try:
-                result, error = fn(), None
-            except BaseException as e:  # noqa: BLE001 - handed to the waiter
-                result, error = None, e
-            with _QueryThread._lock:  # waiting again before the waiter asks its next query
-                keep = len(_QueryThread._idle) < self.IDLE_MAX
-                if keep:
-                    _QueryThread._idle.append(self)
-            if error is None:
-                future.set_result(result)
-            else:
-                future.set_exception(error)
-            del fn, future, result, error  # hold nothing of a finished query
-            if not keep:
-                return
-
-
-def _ask(query: Callable[[list[int]], Mapping[Any, Any]], pids: Sequence[int]) -> concurrent.futures.Future:
-    """Run ``query(pids)`` in a daemon thread (an abandoned one may never return: it must not
-    hold up the interpreter's exit, as a thread pool's workers would), reusing a thread
-    whose last query returned (:class:`_QueryThread`)."""
-    pids = list(pids)
-    return _QueryThread.submit(lambda: query(pids))

@@ -124,6 +124,7 @@ class Joining:
             elif isinstance(plan, commit_core.FirstStep):
                 joined = self._join(incarnation)
                 if isinstance(joined, coldstart_core.Adopt):  # (the members' cold start: its set-up too)
+                    deaths.adopted(joined.entry)
                     priority.restore()
                     self._run_cold_start_hooks()
                     return dict(joined.entry)
@@ -137,10 +138,9 @@ class Joining:
                         # cold start would train the run again from its checkpoint, alone
                         hard_exit(0, f"jaxft: the run finished before process {self.process_id} joined it; exiting 0")
                     self._run_cold_start_hooks()
-                    # a cold start, as far as this process could tell: if the others started
-                    # without it meanwhile (it came up late, or is the restart of one that
-                    # died in their first step), or took an answer naming it from a query an
-                    # earlier life of it entered, this query would never be answered
+                    # a cold start, as far as it could tell. If the others started without it (it
+                    # came up late, or restarted after a death in their first step) or took an answer
+                    # naming it from a query an earlier life of it entered, only this watch ends it
                     give_up = coldstart.ColdStartWatch(self.process_id, incarnation, pids, lambda: deaths.asking,
                                                       since=lives_lib.process_started_at(),
                                                       members_since=self._stale_before)
@@ -164,6 +164,7 @@ class Joining:
             except deaths_lib.GaveUp:
                 move = coldstart.told(self.process_id, give_up)
                 if isinstance(move, coldstart_core.Adopt):
+                    deaths.adopted(move.entry)
                     return dict(move.entry)
                 switch = move.pids if isinstance(move, coldstart_core.Switch) else None
 
@@ -216,10 +217,9 @@ class Joining:
             looked_at = time.time()
             running = joiner.running_members(settle_s=max(1.5, 0.5 * self.timeouts.heartbeat))
             if running is None and not spare:
-                # the newest record's members did not beat: every record so far is of gone lives.
-                # Without this, a record a dead member wrote after this life began made each new
-                # cold query give up at once ('the others started without it') and come back here,
-                # for ever, while the others waited for it in that query (soak seed 2)
+                # the newest record's members did not beat: every record so far is of gone lives
+                # (one a dead member wrote after this life began made each cold query give up at
+                # once, 'the others started without it', and come back here for ever: soak seed 2)
                 self._stale_before = looked_at
                 return cold, time.time(), True
             if running is not None and self.process_id not in running:
