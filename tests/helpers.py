@@ -123,6 +123,12 @@ def stacks_of(pid: int, per_process_s: float = 15) -> str:
                 r = subprocess.run([spy, "dump", "--pid", str(p)], capture_output=True, text=True,
                                    timeout=per_process_s)
                 out.append((r.stdout + r.stderr)[-4000:])
+                # the main thread's locals too (which set a liveness query waits in, say)
+                r = subprocess.run([spy, "dump", "--locals", "--pid", str(p)], capture_output=True, text=True,
+                                   timeout=per_process_s)
+                blocks = r.stdout.split("\nThread ")[1:]
+                main = next((b for b in blocks if '"MainThread"' in b.split("\n", 1)[0]), blocks[0] if blocks else "")
+                out.append("main thread's locals:\n" + main[:3000])
             except subprocess.TimeoutExpired:
                 out.append("(py-spy timed out)")
     return "\n".join(out) if out else "(no processes left)"
