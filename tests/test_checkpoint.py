@@ -334,11 +334,14 @@ def test_a_member_that_gave_up_on_a_dead_member_reports_what_the_primary_publish
     barrier, while the primary (process 0, held 3 s there) has all it needs to publish, and
     does. Process 1 must report what the primary did, not ``checkpoint_abandoned`` (it did, 30
     ms before the primary published, in a clean-clone CI run). (15 steps: a checkpoint 20
-    published meanwhile would remove 10's unpublished directory, as superseded.)"""
+    published meanwhile would remove 10's unpublished directory, as superseded. 0.1 s steps: at
+    full speed the last 5 steps ran in 60 ms, and process 2 wrote its final before its save
+    reached the publish, in a clean-clone CI run.)"""
     ckpt = tmp_path / "ckpt"
-    proc, ev = launch(tmp_path / "run", "--steps", "15", "--checkpoint_every", "10", "--checkpoint_dir", str(ckpt),
-                      n=3, restart="never", faults=["kill:process=2:step=10:phase=before-publish",
-                                                    "hang:process=0:step=10:phase=before-publish:for=3s"])
+    proc, ev = launch(tmp_path / "run", "--steps", "15", "--step_sleep", "0.1", "--checkpoint_every", "10",
+                      "--checkpoint_dir", str(ckpt), n=3, restart="never",
+                      faults=["kill:process=2:step=10:phase=before-publish",
+                              "hang:process=0:step=10:phase=before-publish:for=3s"])
     assert proc.returncode == 1, _tail(proc)  # process 2 died and was not restarted
     (held,) = helpers.by_event(ev, "fault", process=0, phase="before-publish")
     (saved,) = helpers.by_event(ev, "checkpoint_saved", process=0, step=10)
