@@ -244,6 +244,22 @@ def test_auto_measures_before_it_batches_and_counts_failures():
     assert b.size(0.4) == 1
 
 
+def test_auto_takes_a_step_for_what_the_step_costs_not_the_pauses_between_blocks_of_steps():
+    # 10 ms steps in blocks of 10 with 0.2 s of other work between blocks (an evaluation, or the
+    # overhead bench's plain loop): a 0.5 ms query is 5 % of the step, so it batches. The mean
+    # period (31 ms) would take the query for under MIN_SHARE of a step and batch nothing.
+    from jaxft.core import batching
+
+    b = batching.CommitBatcher(now=0.0)
+    t = 0.0
+    for k in range(60):
+        t += 0.01 + (0.2 if k % 10 == 0 else 0.0)
+        b.ran(t)
+        b.committed(0.0005)
+    assert batching.commit_every(0.031, 0.0005, 1 / 600) == 1  # (what the mean would have batched)
+    assert b.size(t) == batching.commit_every(0.01, 0.0005, 1 / (t + batching.PRIOR_FAILURE_S)) > 1
+
+
 def test_auto_ends_a_batch_before_a_step_where_a_fault_rule_of_its_own_may_fire():
     from jaxft.core import step as step_core
 

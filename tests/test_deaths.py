@@ -141,7 +141,7 @@ def test_an_old_answer_naming_a_joiners_previous_life_is_not_reused(tmp_path):
     w.saw({0: 10, 1: 11, 2: 12})
     old = concurrent.futures.Future()
     old.set_result({0: 10, 1: 11})
-    w._abandoned[(0, 1, 2)] = old
+    w._abandon((0, 1, 2), old)
     asked = []
 
     def query(pids):
@@ -154,12 +154,12 @@ def test_an_old_answer_naming_a_joiners_previous_life_is_not_reused(tmp_path):
     # launcher's retirement registered, say): an older query's, asked afresh
     other = concurrent.futures.Future()
     other.set_result({0: 10, 1: 25, 2: 22})
-    w._abandoned[(0, 1, 2)] = other
+    w._abandon((0, 1, 2), other)
     assert w.live_nodes(query, [0, 1, 2], admitted={1: 21}) == {0: 10, 1: 21, 2: 22} and len(asked) == 2
     # an answer with the joiner's admitted life in it is the query the joiner completed: reused
     fresh = concurrent.futures.Future()
     fresh.set_result({0: 10, 1: 31, 2: 22})
-    w._abandoned[(0, 1, 2)] = fresh
+    w._abandon((0, 1, 2), fresh)
     assert w.live_nodes(query, [0, 1, 2], admitted={1: 31}) == {0: 10, 1: 31, 2: 22} and len(asked) == 2
 
 
@@ -174,7 +174,7 @@ def test_a_member_late_to_an_admission_takes_the_left_query_the_joiner_completed
     w = deaths.DeathWatch(str(tmp_path))
     w.saw({0: 10, 1: 11, 2: 12, 3: 13})
     left = concurrent.futures.Future()
-    w._abandoned[(0, 1, 2, 3)] = left
+    w._abandon((0, 1, 2, 3), left)
     left.set_result({0: 10, 1: 21, 2: 12, 3: 13})  # completed by the joiner, before this member admitted it
 
     def query(pids):

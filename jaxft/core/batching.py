@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import collections
 import math
+import statistics
 
 WARMUP_STEPS = 16  # steps measured (each committed alone) before any batching
-WINDOW = 64  # the recent steps (their mean period) and commit queries (their median) measured
+WINDOW = 64  # the recent steps (their median period) and commit queries (their median) measured
 MAX_STEPS = 16  # at most this many steps under one query
 MAX_UNDO_S = 0.5  # at most this much training time undone by a failure
 MIN_SHARE = 0.02  # batch only where one query costs at least this share of a step
@@ -58,8 +59,9 @@ class CommitBatcher:
         self.failures = 0
 
     def ran(self, now: float) -> None:
-        """A step's program ended at ``now`` (committed or not): the mean time between two
-        ends is the step's cost, its hooks and commits included."""
+        """A step's program ended at ``now`` (committed or not): the median time between two
+        ends is the step's cost, its hooks and commits included, and a pause now and then
+        between steps (an evaluation, a save, other work of the caller's) left out."""
         self._steps.append(now)
 
     def committed(self, query_s: float) -> None:
@@ -75,9 +77,9 @@ class CommitBatcher:
         if not self.memory_ok or len(self._steps) <= WARMUP_STEPS or not self._queries:
             return 1
         rate = (self.failures + 1) / (now - self._since + PRIOR_FAILURE_S)
-        step_s = (self._steps[-1] - self._steps[0]) / (len(self._steps) - 1)
-        queries = sorted(self._queries)
-        return commit_every(step_s, queries[len(queries) // 2], rate)
+        ends = list(self._steps)
+        return commit_every(statistics.median(b - a for a, b in zip(ends, ends[1:])),
+                            statistics.median(self._queries), rate)
 
     def commit_now(self, pending: int, now: float) -> bool:
         """Whether the step about to run, after ``pending`` steps run since the last commit,

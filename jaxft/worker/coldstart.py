@@ -44,6 +44,24 @@ def _parse(key: str, value: str) -> coldstart.Record:
                             lives=None if lives is None else {int(p): int(i) for p, i in lives.items()})
 
 
+def _members() -> list[coldstart.Record]:
+    """Every member's newest members record."""
+    return [_parse(k, v) for k, v in _records(f"{MEMBERS_KEY}/").items()]
+
+
+class _Throttle:
+    """True at most once every :data:`POLL_S`, the first time :data:`POLL_S` after it was made."""
+
+    def __init__(self) -> None:
+        self._last = time.monotonic()
+
+    def due(self) -> bool:
+        if time.monotonic() - self._last < POLL_S:
+            return False
+        self._last = time.monotonic()
+        return True
+
+
 class ColdStartWatch:
     """A cold start's first liveness query's ``give_up()``: True once the others' records say
     this process is stranded there (:func:`jaxft.core.coldstart.stranded`; the decision in
@@ -63,12 +81,11 @@ class ColdStartWatch:
         self._members_prefix = f"{MEMBERS_KEY}/"
         # only records written or changed since this query began count
         self._before = {**_records(self._members_prefix), **_records(CONFIRM_PREFIX)}
-        self._last = time.monotonic()
+        self._throttle = _Throttle()
 
     def __call__(self) -> bool:
-        if time.monotonic() - self._last < POLL_S:
+        if not self._throttle.due():
             return False
-        self._last = time.monotonic()
         members = [r for r in self._new(self._members_prefix)
                    if self.members_since is None or r.time > self.members_since]
         confirming = self._new(CONFIRM_PREFIX)
@@ -95,22 +112,20 @@ class EntryWatch:
         self.process_id, self.incarnation, self.asking = process_id, incarnation, asking
         self.expected, self.last_entry = dict(expected), last_entry
         self.move: coldstart.Adopt | None = None
-        self._last = time.monotonic()
+        self._throttle = _Throttle()
 
     def __call__(self) -> bool:
-        if self.incarnation is None or time.monotonic() - self._last < POLL_S:
+        if self.incarnation is None or not self._throttle.due():
             return False
-        self._last = time.monotonic()
-        records = [_parse(k, v) for k, v in _records(f"{MEMBERS_KEY}/").items()]
         self.move = coldstart.entered_with(self.process_id, self.incarnation, self.asking(), self.expected,
-                                           self.last_entry, records)
+                                           self.last_entry, _members())
         return self.move is not None
 
 
 def adopted_entry(process_id: int, incarnation: int | None) -> dict[int, int] | None:
     """The members' entry if their newest members record names this life (``incarnation``,
     :func:`jaxft.core.coldstart.adoptable`): they wait for it in a step it never entered."""
-    records = [_parse(k, v) for k, v in _records(f"{MEMBERS_KEY}/").items()]
+    records = _members()
     newest = max(records, key=lambda r: r.time) if records else None
     return coldstart.adoptable(process_id, incarnation, newest)
 

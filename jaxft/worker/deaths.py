@@ -60,9 +60,9 @@ class DeathWatch:
         self.poll_s = poll_s
         self.since: dict[int, tuple[int | None, float]] = {}  # process -> (incarnation (None: any), first seen)
         # Queries left waiting for a dead process, by process set: the service keeps each one
-        # open (this process counted in) until every live process of the set has asked.
-        self._abandoned: dict[tuple[int, ...], concurrent.futures.Future] = {}
-        self._adopted: set[tuple[int, ...]] = set()  # of those, left on adopting the others' entry
+        # open (this process counted in) until every live process of the set has asked; with
+        # whether it was left on adopting the others' entry (:meth:`adopted`).
+        self._abandoned: dict[tuple[int, ...], tuple[concurrent.futures.Future, bool]] = {}
         self.asking: tuple[int, ...] = ()  # the set of the query asked last
         self.noticed: dict[int, str] = {}  # process -> how a query of this process learnt its life was over
         self._lock = threading.Lock()  # dead() is called from a Tripwire's thread too
@@ -216,7 +216,7 @@ class DeathWatch:
     def _abandon(self, key: tuple[int, ...], future: concurrent.futures.Future) -> None:
         """Leave ``future``'s query (still open in the service, this process counted in), for
         :meth:`_reuse`."""
-        self._abandoned[key] = future
+        self._abandoned[key] = (future, False)
 
     def adopted(self, entry: Mapping[int, int]) -> None:
         """This process enters a step on the others' ``entry`` (:mod:`jaxft.core.coldstart`): a
@@ -225,18 +225,17 @@ class DeathWatch:
         (:func:`jaxft.core.liveness.reuse_left_query`). One answered already was theirs to
         enter with."""
         key = tuple(sorted(entry))
-        future = self._abandoned.get(key)
-        if future is not None and not future.done():
-            self._adopted.add(key)
+        left = self._abandoned.get(key)
+        if left is not None and not left[0].done():
+            self._abandoned[key] = (left[0], True)
 
     def _reuse(self, key: tuple[int, ...], admitted: Mapping[int, int]) -> concurrent.futures.Future | None:
         """The query over ``key`` this process left earlier, if it must wait on that one instead
         of asking anew (:func:`jaxft.core.liveness.reuse_left_query`)."""
-        future = self._abandoned.pop(key, None)
-        adopted = key in self._adopted
-        self._adopted.discard(key)
-        if future is None:
+        left = self._abandoned.pop(key, None)
+        if left is None:
             return None
+        future, adopted = left
         answer = None
         if future.done():
             try:
