@@ -483,3 +483,59 @@ def test_a_cold_start_after_the_last_member_died_is_not_held_by_its_members_reco
     fs = finals(events)
     assert sorted(f["process"] for f in fs) == [0, 1, 2, 3], why
     assert {f["params_sha256"] for f in fs} == {one_process_exact(steps)}, why
+
+
+
+# One process with a real coordination service: process 0 (life 5) runs alone and beats;
+# process 2 (life 7) announced and waits to be admitted. Then a members record naming an earlier
+# life of 2 (6), then one naming its life (7). Prints what the joiner's wait returns.
+ENTERED_WHILE_WAITING = r"""
+import json, sys, threading, time
+import jax
+from jaxft.worker import admission, coldstart, kv
+from jaxft.timeouts import Timeouts
+
+jax.distributed.initialize("127.0.0.1:%d" % int(sys.argv[1]), num_processes=1, process_id=0)
+c = kv.client()
+
+
+def record(writer, lives, beat):
+    value = {"pids": sorted(lives), "lives": {str(p): i for p, i in lives.items()}, "time": time.time(), "beat": beat}
+    c.key_value_set(f"{admission.MEMBERS_KEY}/{writer}", json.dumps(value), allow_overwrite=True)
+
+
+record(0, {0: 5}, "0-alive")
+stop = threading.Event()
+def beat():
+    n = 0
+    while not stop.wait(0.1):
+        for b in ("0-alive", "1-alive"):
+            c.key_value_set(kv.Heartbeat.key(b), str(n), allow_overwrite=True)
+        n += 1
+threading.Thread(target=beat, daemon=True).start()
+joiner = admission.Joiner(2, Timeouts())
+joiner.announce()
+threading.Timer(0.5, record, (1, {0: 5, 1: 3, 2: 6}, "1-alive")).start()  # an earlier life of 2
+threading.Timer(2.0, record, (1, {0: 5, 1: 3, 2: 7}, "1-alive")).start()  # this life
+t0 = time.monotonic()
+out = joiner.wait_admitted(members_gone_s=3.0, entered=lambda: coldstart.adopted_entry(2, 7))
+print("entered", type(out).__name__, sorted(out.entry.items()) if hasattr(out, "entry") else out,
+      round(time.monotonic() - t0, 1))
+print("ready keys", list(kv.try_dir_get(admission.READY_PREFIX)))
+stop.set()
+jax.distributed.shutdown()
+"""
+
+
+def test_a_joiner_waiting_to_be_admitted_enters_with_members_that_entered_a_step_with_its_life():
+    # Soak seed 2, session 35: a restart waited to be admitted while the members' restarts,
+    # starting cold, entered a step with its life (a cold query it had left, counted in, that
+    # their asks completed) and waited for it there; their beats moved, so it never took them
+    # for gone, and all waited for ever. It now takes their entry (only one naming this life),
+    # and withdraws its announcement.
+    r = run_python(ENTERED_WHILE_WAITING, str(free_port()), timeout=60)
+    assert r.returncode == 0, r.describe()
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("entered")]
+    assert line.startswith("entered Adopt [(0, 5), (1, 3), (2, 7)]"), r.describe()
+    assert float(line.split()[-1]) >= 2.0, r.describe()  # (not on the record naming an earlier life)
+    assert "ready keys []" in r.stdout, r.describe()

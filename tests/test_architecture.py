@@ -70,7 +70,7 @@ def test_the_protocol_core_does_no_io():
     """jaxft.core decides; it imports nothing but pure standard-library parts, numpy and itself
     (no jax, no sockets, threads, clocks or files), so a simulation can drive it."""
     allowed = ("__future__", "dataclasses", "enum", "collections", "typing", "itertools", "functools",
-               "math", "numpy", "jaxft.core")  # (numpy: the vote rows are arrays)
+               "math", "statistics", "numpy", "jaxft.core")  # (numpy: the vote rows are arrays)
     bad = {str(p.relative_to(PACKAGE)): sorted(m for m in _imports(p) if not m.startswith(allowed))
            for p in (PACKAGE / "core").rglob("*.py")}
     assert not {k: v for k, v in bad.items() if v}, bad

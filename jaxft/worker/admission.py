@@ -34,6 +34,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
+from jaxft.core.coldstart import Adopt
 from jaxft.core.votes import HOLD, READY
 from jaxft.errors import BarrierTimeout
 from jaxft.timeouts import Timeouts
@@ -210,7 +211,9 @@ class Joiner:
         return f"{READY_PREFIX}{self.process_id}/{self.nonce}"
 
     def wait_admitted(self, members_gone_s: float | None = None, width: int | None = None,
-                      give_back_s: float | None = None) -> tuple[list[int], float, dict[int, int]] | None:
+                      give_back_s: float | None = None,
+                      entered: Callable[[], Mapping[int, int] | None] | None = None
+                      ) -> tuple[list[int], float, dict[int, int]] | Adopt | None:
         """Block until the members admit this process; returns the barrier's process ids, when
         they were admitting it (all of them alive then) and the admitting members' lives
         (process -> incarnation). None if the members stopped
@@ -221,21 +224,33 @@ class Joiner:
         With spares (``width``: the run's member count), the time the listed members fill the
         width does not count against ``Timeouts.admission``: this process is a spare then.
         ``give_back_s``: raise :class:`StillSpare` after that long, still announced, so that
-        the caller may bound its waits one at a time."""
+        the caller may bound its waits one at a time.
+
+        ``entered()``: the members' entry if they entered a step with this life, which they
+        never admitted (:func:`jaxft.worker.coldstart.adopted_entry`): a query an earlier ask
+        of this life left (a cold start's, given up when it found them running without it)
+        stays open in the service with this process counted in, and the asks of the members'
+        restarts, starting cold after every member died, complete it. They wait for this
+        process inside that step; it withdraws and returns :class:`~jaxft.core.coldstart.Adopt`
+        (soak seed 2, session 35: it waited here for them for ever, their beats moving)."""
         c = kv.client()
         key = f"{ADMIT_PREFIX}{self.process_id}/{self.nonce}"
         t0 = started = time.monotonic()
         beats, beats_since = None, time.monotonic()
         while True:
             try:
-                value = c.blocking_key_value_get(key, int(self.poll_s * 1000))
-                c.key_value_delete(key)
-                pids, when, members = (value.split(";", 2) + ["", ""])[:3]
-                return ([int(p) for p in pids.split(",") if p], float(when or time.time()),
-                        {int(p): int(i) for p, i in json.loads(members or "{}").items()})
+                return self._admission(c, key, c.blocking_key_value_get(key, int(self.poll_s * 1000)))
             except Exception as e:
                 if "DEADLINE" not in str(e) and "timed out" not in str(e).lower():
                     raise
+            if entered is not None and (entry := entered()) is not None:
+                value = kv.try_get(key, c)  # (an admission that landed since the wait above wins)
+                if value is not None:
+                    return self._admission(c, key, value)
+                self._withdraw(c)
+                logger.warning("process %d: the members entered a step with it as it waited to be admitted, on a "
+                               "query it left; entering with them", self.process_id)
+                return Adopt(dict(entry))
             if members_gone_s is not None:
                 now = self._member_beats()
                 if width is not None and now[0] is not None and len(now[0]) >= width:
@@ -243,13 +258,25 @@ class Joiner:
                 if now != beats:
                     beats, beats_since = now, time.monotonic()
                 elif time.monotonic() - beats_since > members_gone_s:
-                    try:
-                        c.key_value_delete(self._ready_key)
-                    except Exception:  # noqa: BLE001 - best effort
-                        pass
+                    self._withdraw(c)
                     return None
             if give_back_s is not None and time.monotonic() - started > give_back_s:
                 raise StillSpare(self.process_id)
             if time.monotonic() - t0 > self.timeouts.admission:
                 raise BarrierTimeout(f"process {self.process_id} was not admitted within "
                                      f"{self.timeouts.describe('admission')}")
+
+    @staticmethod
+    def _admission(c, key: str, value: str) -> tuple[list[int], float, dict[int, int]]:
+        """The admission ``value`` the members wrote at ``key`` (deleted: consumed)."""
+        c.key_value_delete(key)
+        pids, when, members = (value.split(";", 2) + ["", ""])[:3]
+        return ([int(p) for p in pids.split(",") if p], float(when or time.time()),
+                {int(p): int(i) for p, i in json.loads(members or "{}").items()})
+
+    def _withdraw(self, c) -> None:
+        """Take back this process's announcement (best effort)."""
+        try:
+            c.key_value_delete(self._ready_key)
+        except Exception:  # noqa: BLE001 - best effort
+            pass

@@ -99,10 +99,6 @@ class Joining:
         """This life committed a step: a put-off cold-start set-up is never needed in it."""
         self._on_cold_start = []
 
-    def members_listed(self) -> bool:
-        """Whether the members of a running job have published their list (one key-value read)."""
-        return admission_lib.Joiner(self.process_id, self.timeouts).listed_members() is not None
-
     # -- a joiner's way in ------------------------------------------------------------
     def entry_query(self, client, plan: commit_core.QueryEntry | commit_core.FirstStep,
                     deaths: deaths_lib.DeathWatch, incarnation: int | None,
@@ -218,12 +214,11 @@ class Joining:
             running = joiner.running_members(settle_s=max(1.5, 0.5 * self.timeouts.heartbeat))
             if running is None and not spare:
                 # the newest record's members did not beat: every record so far is of gone lives
-                # (one a dead member wrote after this life began made each cold query give up at
-                # once, 'the others started without it', and come back here for ever: soak seed 2)
+                # (a cold start's watch must not take one for others running: design.md)
                 self._stale_before = looked_at
                 return cold, time.time(), True
             if running is not None and self.process_id not in running:
-                admitted = self._wait_admitted(joiner, running)
+                admitted = self._wait_admitted(joiner, running, incarnation)
                 if admitted is not None:
                     return admitted
                 if not spare:  # every member died meanwhile: start with the others' restarts
@@ -233,9 +228,8 @@ class Joining:
                     return cold, time.time(), True
                 since = time.monotonic()  # a spare waits for the members' restarts
             # Still listed: the members have not yet entered a step without this process's
-            # previous life (they will at their next step, once they saw it die). Or a spare
-            # before the members started. Or they entered one with this life, on an answer it
-            # never got (jaxft.core.coldstart): it enters with them.
+            # previous life (they will once they saw it die), or a spare before they started, or
+            # they entered one with this life on an answer it never got: it enters with them.
             if running is not None and (entry := coldstart.adopted_entry(self.process_id, incarnation)) is not None:
                 logger.warning("process %d: the members entered a step with it on an answer it never got; "
                                "entering with them", self.process_id)
@@ -246,11 +240,13 @@ class Joining:
                 raise BarrierTimeout(f"process {self.process_id} {what} for {self.timeouts.describe('admission')}")
             time.sleep(0.2)
 
-    def _wait_admitted(self, joiner: admission_lib.Joiner, running: list[int]) -> tuple[list[int], float, bool] | None:
+    def _wait_admitted(self, joiner: admission_lib.Joiner, running: list[int], incarnation: int | None
+                       ) -> tuple[list[int], float, bool] | coldstart_core.Adopt | None:
         """Set up for ``running`` plus this process, say it is ready and wait to be admitted:
-        the barrier's process ids and when they were alive; None if every member stopped meanwhile.
-        A spare (the members fill the width) waits as long as they run, one barrier bound at a time."""
-        spare = self.width is not None and len(running) >= self.width
+        the barrier's process ids and when they were alive; None if every member stopped meanwhile;
+        their entry if they entered a step with this life (``incarnation``; Adopt). A spare (the
+        members fill the width) waits as long as they run, one barrier bound at a time."""
+        spare, me = self.width is not None and len(running) >= self.width, (self.process_id, incarnation)
         expected = tuple(sorted(set(running) | {self.process_id}))
         self._set_up(expected, compile_ahead=not spare)
         joiner.announce()
@@ -263,12 +259,13 @@ class Joining:
                 try:
                     admitted = joiner.wait_admitted(members_gone_s=self.timeouts.heartbeat + 2.0, width=self.width,
                                                     give_back_s=None if self.width is None
-                                                    else 0.5 * self.timeouts.barrier)
+                                                    else 0.5 * self.timeouts.barrier,
+                                                    entered=functools.partial(coldstart.adopted_entry, *me))
                 except admission_lib.StillSpare:
                     continue  # (a new bound: a spare may wait for as long as the members run)
             break
-        if admitted is None:
-            return None
+        if admitted is None or isinstance(admitted, coldstart_core.Adopt):
+            return admitted
         pids, alive_at, self._admitted_by = admitted
         self.step.joining = True
         logger.info("process %d admitted after %.2f s with %s", self.process_id, time.monotonic() - t0, pids)

@@ -145,7 +145,7 @@ class ElasticGroup:
         """Whether the members of a running job have published their list (one key-value
         read). A stale list, of members that all died, is told apart from a live one only at
         this process's first step: set-up put off on this answer registers :meth:`on_cold_start`."""
-        return self._joining.members_listed()
+        return admission_lib.Joiner(self.process_id, self.timeouts).listed_members() is not None
 
     def busy(self):
         """Context manager: long work between steps (an evaluation some run), exempt from the step deadline."""
