@@ -430,7 +430,7 @@ def test_a_member_named_in_an_entry_answer_it_never_got_enters_with_the_others(t
     # that query, naming 2's new life, whose own ask comes later and opens a new one. Before: the
     # members waited for 2 in the step, 2 for them in that new query, for ever. Now 2 finds the
     # members record of the step they entered with it, and enters with them.
-    steps = 60
+    steps = 150  # (2's restart may take 5 s to set up: 60 steps ended first in a clean-clone CI)
     proc, events = train(tmp_path, STALE_ENTRY, "--steps", str(steps), "--step_sleep", "0.1", *EXACT, n=3,
                          faults=["kill:process=1:step=5:phase=after-grad", "kill:process=2:step=6"],
                          restart="on-failure", extra=["--heartbeat-timeout", "3"], timeout=180)

@@ -106,6 +106,9 @@ time.sleep(1.5)  # p0 is done by now
 if pid == 1:
     flag.touch()
     sys.exit(3)
+deadline = time.monotonic() + 30  # (p2 fails after p1 marked its failure: failing first, it was
+while not flag.exists() and time.monotonic() < deadline:  # restarted with p1 before p1 marked it,
+    time.sleep(0.01)  # and both failed again, a second round: the clean-clone CI of session 35)
 sys.exit(4)
 """
     r = launch(3, _sh(code), "--restart", "all", run_dir=tmp_path / "run", timeout=60)
