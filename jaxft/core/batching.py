@@ -22,7 +22,7 @@ import math
 import statistics
 
 WARMUP_STEPS = 16  # steps measured (each committed alone) before any batching
-WINDOW = 64  # the recent steps (their median period) and commit queries (their median) measured
+WINDOW = 64  # the recent steps (their mean period) and commit queries (their median) measured
 MAX_STEPS = 16  # at most this many steps under one query
 MAX_UNDO_S = 0.5  # at most this much training time undone by a failure
 MIN_SHARE = 0.02  # batch only where one query costs at least this share of a step
@@ -57,12 +57,27 @@ class CommitBatcher:
         self._steps: collections.deque[float] = collections.deque(maxlen=WINDOW + 1)  # when each step ran
         self._queries: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.failures = 0
+        self._outside = 0.0  # the time spent outside step attempts so far (see entered)
+        self._left_at: float | None = None
+
+    def entered(self, now: float) -> None:
+        """The caller's loop starts a step attempt at ``now``. The time since :meth:`left` was
+        the caller's own (an evaluation between steps, other programs: the overhead bench's
+        plain loop), not a step's cost, and the step clock does not count it. What runs inside
+        an attempt counts, ``on_commit`` hooks included."""
+        if self._left_at is not None:
+            self._outside += max(0.0, now - self._left_at)
+            self._left_at = None
+
+    def left(self, now: float) -> None:
+        """The step attempt begun at :meth:`entered` returned at ``now``."""
+        self._left_at = now
 
     def ran(self, now: float) -> None:
-        """A step's program ended at ``now`` (committed or not): the median time between two
-        ends is the step's cost, its hooks and commits included, and a pause now and then
-        between steps (an evaluation, a save, other work of the caller's) left out."""
-        self._steps.append(now)
+        """A step's program ended at ``now`` (committed or not): the mean time between two
+        ends on the step clock (time inside step attempts) is the step's cost, its hooks and
+        commits included."""
+        self._steps.append(now - self._outside)
 
     def committed(self, query_s: float) -> None:
         """The steps run since the last commit committed; the commit query took ``query_s``."""
@@ -77,9 +92,8 @@ class CommitBatcher:
         if not self.memory_ok or len(self._steps) <= WARMUP_STEPS or not self._queries:
             return 1
         rate = (self.failures + 1) / (now - self._since + PRIOR_FAILURE_S)
-        ends = list(self._steps)
-        return commit_every(statistics.median(b - a for a, b in zip(ends, ends[1:])),
-                            statistics.median(self._queries), rate)
+        step_s = (self._steps[-1] - self._steps[0]) / (len(self._steps) - 1)
+        return commit_every(step_s, statistics.median(self._queries), rate)
 
     def commit_now(self, pending: int, now: float) -> bool:
         """Whether the step about to run, after ``pending`` steps run since the last commit,

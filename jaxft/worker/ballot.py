@@ -8,8 +8,10 @@ this step may leave its commit to a later one.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -27,6 +29,25 @@ from jaxft.worker.members import Members
 from jaxft.worker.membership import ElasticGroup
 from jaxft.worker.options import LoopOptions
 from jaxft.worker.programs import votes_array
+
+R = TypeVar("R")
+
+
+def on_the_step_clock(try_step: Callable[[Any], R]) -> Callable[[Any], R]:
+    """A loop's ``try_step``, timed for its commit batcher (``loop.executor.ballot.batcher``):
+    what the caller does between attempts is not a step's cost
+    (:meth:`jaxft.core.batching.CommitBatcher.entered`)."""
+
+    @functools.wraps(try_step)
+    def timed(loop: Any) -> R:
+        batcher = loop.executor.ballot.batcher
+        batcher.entered(time.monotonic())
+        try:
+            return try_step(loop)
+        finally:
+            batcher.left(time.monotonic())
+
+    return timed
 
 
 class Ballot:

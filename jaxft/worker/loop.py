@@ -65,6 +65,7 @@ from jaxft.worker import rejoin, stopping, transfer
 from jaxft.worker import runner as runner_lib
 from jaxft.worker.arrays import canonical, local_copy, scalars, to_host
 from jaxft.worker.attempts import Desync, Ran, Reached, Skip, StepRecord, VotedFail, final_fields, read_outputs
+from jaxft.worker.ballot import on_the_step_clock
 from jaxft.worker.commits import PendingCommits
 from jaxft.worker.executor import Executor
 from jaxft.worker.members import Members
@@ -219,6 +220,7 @@ class ElasticLoop:
         self.log_final()
         return self.state
 
+    @on_the_step_clock
     def try_step(self) -> StepRecord | None:
         """One attempt at the next step: the record of the commit it made, or None if it made
         none (it failed; or, with ``commit_every``, it ran and its commit is left to a later step)."""
