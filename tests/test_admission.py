@@ -518,7 +518,7 @@ joiner.announce()
 threading.Timer(0.5, record, (1, {0: 5, 1: 3, 2: 6}, "1-alive")).start()  # an earlier life of 2
 threading.Timer(2.0, record, (1, {0: 5, 1: 3, 2: 7}, "1-alive")).start()  # this life
 t0 = time.monotonic()
-out = joiner.wait_admitted(members_gone_s=3.0, entered=lambda: coldstart.adopted_entry(2, 7))
+out = joiner.wait_admitted(members_gone_s=3.0, entered=lambda entries: coldstart.adopted_entry(2, 7, entries))
 print("entered", type(out).__name__, sorted(out.entry.items()) if hasattr(out, "entry") else out,
       round(time.monotonic() - t0, 1))
 print("ready keys", list(kv.try_dir_get(admission.READY_PREFIX)))

@@ -184,13 +184,16 @@ class Joiner:
         """The newest member list the members published, whether or not they still run."""
         return self._member_beats()[0]
 
-    def _member_beats(self) -> tuple[list[int] | None, dict[str, str | None]]:
+    def _member_beats(self, entries: list[tuple[str, str]] | None = None
+                      ) -> tuple[list[int] | None, dict[str, str | None]]:
         """The newest member list the members published, and the heartbeat counter of each
         member that published it (any of them beating: the run goes on; only the lowest
         member's was watched before, and a joiner that came up while it died, the others
         stuck in a 60 s save barrier, took the run for gone and started a second copy of it
         from the checkpoint)."""
-        records = [json.loads(v) for _, v in kv.try_dir_get(f"{MEMBERS_KEY}/")]
+        if entries is None:
+            entries = kv.try_dir_get(f"{MEMBERS_KEY}/")
+        records = [json.loads(v) for _, v in entries]
         if not records:
             return None, {}
         pids = max(records, key=lambda r: r["time"])["pids"]
@@ -212,7 +215,7 @@ class Joiner:
 
     def wait_admitted(self, members_gone_s: float | None = None, width: int | None = None,
                       give_back_s: float | None = None,
-                      entered: Callable[[], Mapping[int, int] | None] | None = None
+                      entered: Callable[[list[tuple[str, str]]], Mapping[int, int] | None] | None = None
                       ) -> tuple[list[int], float, dict[int, int]] | Adopt | None:
         """Block until the members admit this process; returns the barrier's process ids, when
         they were admitting it (all of them alive then) and the admitting members' lives
@@ -226,7 +229,8 @@ class Joiner:
         ``give_back_s``: raise :class:`StillSpare` after that long, still announced, so that
         the caller may bound its waits one at a time.
 
-        ``entered()``: the members' entry if they entered a step with this life, which they
+        ``entered(entries)``: from the members records' ``(key, value)`` entries (read once a
+        poll, with the beats), the members' entry if they entered a step with this life, which they
         never admitted (:func:`jaxft.worker.coldstart.adopted_entry`): a query an earlier ask
         of this life left (a cold start's, given up when it found them running without it)
         stays open in the service with this process counted in, and the asks of the members'
@@ -243,7 +247,9 @@ class Joiner:
             except Exception as e:
                 if "DEADLINE" not in str(e) and "timed out" not in str(e).lower():
                     raise
-            if entered is not None and (entry := entered()) is not None:
+            watching = entered is not None or members_gone_s is not None
+            entries = kv.try_dir_get(f"{MEMBERS_KEY}/", c) if watching else []
+            if entered is not None and (entry := entered(entries)) is not None:
                 value = kv.try_get(key, c)  # (an admission that landed since the wait above wins)
                 if value is not None:
                     return self._admission(c, key, value)
@@ -252,7 +258,7 @@ class Joiner:
                                "query it left; entering with them", self.process_id)
                 return Adopt(dict(entry))
             if members_gone_s is not None:
-                now = self._member_beats()
+                now = self._member_beats(entries)
                 if width is not None and now[0] is not None and len(now[0]) >= width:
                     t0 = time.monotonic()  # a spare: the members are at full width
                 if now != beats:

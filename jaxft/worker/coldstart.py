@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from jaxft.core import coldstart
 from jaxft.worker import kv
@@ -44,9 +44,11 @@ def _parse(key: str, value: str) -> coldstart.Record:
                             lives=None if lives is None else {int(p): int(i) for p, i in lives.items()})
 
 
-def _members() -> list[coldstart.Record]:
-    """Every member's newest members record."""
-    return [_parse(k, v) for k, v in _records(f"{MEMBERS_KEY}/").items()]
+def _members(entries: Iterable[tuple[str, str]] | None = None) -> list[coldstart.Record]:
+    """Every member's newest members record (from ``entries``, the directory's ``(key, value)``
+    pairs, if the caller read them already)."""
+    pairs = _records(f"{MEMBERS_KEY}/").items() if entries is None else entries
+    return [_parse(k, v) for k, v in pairs]
 
 
 class _Throttle:
@@ -122,10 +124,12 @@ class EntryWatch:
         return self.move is not None
 
 
-def adopted_entry(process_id: int, incarnation: int | None) -> dict[int, int] | None:
+def adopted_entry(process_id: int, incarnation: int | None,
+                  entries: Iterable[tuple[str, str]] | None = None) -> dict[int, int] | None:
     """The members' entry if their newest members record names this life (``incarnation``,
-    :func:`jaxft.core.coldstart.adoptable`): they wait for it in a step it never entered."""
-    records = _members()
+    :func:`jaxft.core.coldstart.adoptable`): they wait for it in a step it never entered.
+    ``entries``: the members directory as already read (None: read it)."""
+    records = _members(entries)
     newest = max(records, key=lambda r: r.time) if records else None
     return coldstart.adoptable(process_id, incarnation, newest)
 
