@@ -309,7 +309,8 @@ except InitializeError as e:
 
 def test_cpu_rendezvous_keys_and_live_devices_state(tmp_path):
     """Two real processes: the gloo and topology keys jaxft deletes exist under those names and
-    vanish; live_devices' remembered map holds incarnations; after a backend rebuild with the map
+    vanish; gloo's loop watches its connections level-triggered beside its listener;
+    live_devices' remembered map holds incarnations; after a backend rebuild with the map
     re-keyed, the processes agree and compute again (what a CPU rejoin relies on)."""
     r = launch(2, [sys.executable, str(REPO / "tests" / "workers" / "private_keys.py")], run_dir=tmp_path,
                timeout=120)
@@ -321,6 +322,9 @@ def test_cpu_rendezvous_keys_and_live_devices_state(tmp_path):
                                                  "cpu:global_topology/cpu")
     assert out["gloo_listener_advertised"] is True, moved(f"gloo's rendezvous records no longer advertise its "
                                                           f"listener as _compat.gloo_listen_address reads them: {out}")
+    assert out["gloo_pairs_level_triggered"] and all(out["gloo_pairs_level_triggered"]), moved(
+        f"gloo's event loop no longer watches its connections in an epoll instance beside its listener, "
+        f"level-triggered, as jaxft.worker.deadpairs finds them: {out}")
     assert out["gloo_keys_after"] == 0 and out["topology_after"] is False, out
     assert [p for p, _ in out["live_map"]] == [0, 1], moved(f"live_devices.devices changed: {out['live_map']}")
     assert all(isinstance(i, int) for _, i in out["live_map"]), out

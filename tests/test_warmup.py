@@ -1,10 +1,11 @@
 """jaxft.worker.warmup: the step compiled ahead for a member set one failure away is the program
-the retry runs (no compile left for it), and the background worker's rules."""
+the retry runs (no compile left for it), what is compiled ahead by default, and the background
+worker's rules."""
 
 import threading
 import time
 
-from helpers import CACHE_ENV, PYTHON, clean_env, launch, run
+from helpers import CACHE_ENV, MLP, PYTHON, by_event, clean_env, launch, run, train
 
 from jaxft.worker import warmup
 
@@ -107,6 +108,17 @@ def test_the_way_back_compiled_ahead_by_process_0_is_loaded_by_every_process(tmp
     seen = sorted(line.split()[-2:] for line in r.stdout.splitlines() if "AHEAD" in line)
     assert seen == sorted([name, "0" if name != "control" else "1"]
                           for name in ("rendezvous", "agree", "control") for _ in range(2)), r.describe()
+
+
+def test_by_default_process_0_compiles_ahead_one_step_one_death_away_on_cpu(tmp_path):
+    # Without precompile, the first death of a run compiled the narrower step while the survivors
+    # waited (~1.4 s here); on CPU one program serves every set of its width (reassigned), so
+    # process 0 compiles one: the set less the highest member, and no other step.
+    r, evts = train(tmp_path, MLP, "--steps", "60", "--step_sleep", "0.05", n=3)
+    assert r.returncode == 0, r.describe()
+    steps = [e["members"] for e in by_event(evts, "precompiled", program="step")]
+    assert steps == [[0, 1]], (steps, r.describe())
+    assert all(e["process"] == 0 for e in by_event(evts, "precompiled")), r.describe()
 
 
 def test_shrinks_are_the_sets_one_failure_away():

@@ -8,18 +8,25 @@ why it is needed and what would replace it. The supported jax range is pinned in
 
 Three modules by what they borrow: :mod:`~jaxft._compat.distributed` (the client, the
 service, ``live_devices``' state, cluster detection), :mod:`~jaxft._compat.cpu` (the CPU
-backend's gloo keys and address) and :mod:`~jaxft._compat.programs` (the compilation cache
+backend's gloo keys, address and event loop) and :mod:`~jaxft._compat.programs` (the compilation cache
 and compiled programs). Import them through this package.
 """
 
 from __future__ import annotations
 
 from jaxft._compat.cpu import (
+    EPOLLET,
+    EPOLLIN,
+    EPOLLONESHOT,
     GLOBAL_TOPOLOGY_KEY,
     GLOO_KEY_PREFIX,
+    Registration,
     delete_global_topology_key,
     delete_stale_cpu_keys,
+    disarm,
+    epoll_registrations,
     gloo_listen_address,
+    registrations_of,
     use_gloo_address,
 )
 from jaxft._compat.distributed import (
@@ -44,9 +51,10 @@ from jaxft._compat.programs import (
 )
 
 __all__ = [
-    "GLOBAL_TOPOLOGY_KEY", "GLOO_KEY_PREFIX", "backend_started", "cache_local_executables", "client_factory",
-    "compile_fresh", "create_key", "delete_global_topology_key", "delete_stale_cpu_keys", "detect_cluster",
-    "distributed_client", "distributed_client_or_none", "gloo_listen_address", "live_device_map", "load_compiled",
-    "no_service_start", "rekey_live_devices", "retire_life", "serialize_compiled", "share_cpu_cache_entries",
+    "EPOLLET", "EPOLLIN", "EPOLLONESHOT", "GLOBAL_TOPOLOGY_KEY", "GLOO_KEY_PREFIX", "Registration", "backend_started",
+    "cache_local_executables", "client_factory", "compile_fresh", "create_key", "delete_global_topology_key",
+    "delete_stale_cpu_keys", "detect_cluster", "disarm", "distributed_client", "distributed_client_or_none",
+    "epoll_registrations", "gloo_listen_address", "live_device_map", "load_compiled", "no_service_start",
+    "registrations_of", "rekey_live_devices", "retire_life", "serialize_compiled", "share_cpu_cache_entries",
     "start_service", "use_gloo_address",
 ]

@@ -1,7 +1,13 @@
-"""Borrowed CPU-backend internals: gloo's rendezvous keys and records, and the address gloo listens on."""
+"""Borrowed CPU-backend internals: gloo's rendezvous keys and records, the address gloo listens
+on, and the epoll registrations of gloo's event loop."""
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
+import os
+import platform
+import re
 import socket
 import struct
 from typing import Any
@@ -81,3 +87,74 @@ def use_gloo_address(*, interface: str | None = None, hostname: str | None = Non
     xla_bridge.register_backend_factory("cpu", make_cpu_client, priority=0, fail_quietly=False)
 
 
+
+
+# -- gloo's event loop ----------------------------------------------------------------------------
+
+EPOLLIN, EPOLLONESHOT, EPOLLET = 0x1, 1 << 30, 1 << 31
+_EPOLL_CTL_MOD = 3
+# struct epoll_event: packed on x86-64 (12 bytes), naturally aligned elsewhere (16 bytes)
+_EVENT = struct.Struct("=IQ" if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") else "@IQ")
+_TFD = re.compile(r"tfd:\s*(\d+)\s+events:\s*([0-9a-fA-F]+)\s+data:\s*([0-9a-fA-F]+)"
+                  r"\s+pos:\s*\d+\s+ino:\s*([0-9a-fA-F]+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """One descriptor that one of this process's epoll instances watches."""
+
+    epoll: int  # the epoll instance's descriptor
+    fd: int  # the descriptor it watches
+    events: int  # the events it was registered for (the kernel adds EPOLLERR | EPOLLHUP)
+    data: int  # the word its owner registered with it (gloo: the handler it calls)
+    inode: int  # the inode of the watched file (a socket's: /proc/net/tcp's inode column)
+
+
+def registrations_of(epoll: int) -> list[Registration]:
+    """What the epoll instance ``epoll`` (a descriptor of this process) watches (see
+    :func:`epoll_registrations`)."""
+    try:
+        with open(f"/proc/self/fdinfo/{epoll}") as f:
+            text = f.read()
+    except OSError:
+        return []
+    return [Registration(epoll, int(fd), int(ev, 16), int(data, 16), int(ino, 16))
+            for fd, ev, data, ino in _TFD.findall(text)]
+
+
+def epoll_registrations() -> list[Registration]:
+    """Every descriptor this process's epoll instances watch (Linux; empty elsewhere).
+
+    Private in the sense of this shim: no API lists what gloo's event loop watches. Read from
+    ``/proc/self/fdinfo`` of each ``anon_inode:[eventpoll]`` descriptor (the kernel's text:
+    ``tfd: <fd> events: <hex> data: <hex> pos: <n> ino: <hex>``). jaxft reads it to find the
+    connections gloo's loop keeps ready for ever (:mod:`jaxft.worker.deadpairs`);
+    ``tests/test_private_api.py`` checks that gloo's listener and pairs are found there,
+    registered level-triggered."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return []
+    out: list[Registration] = []
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") != "anon_inode:[eventpoll]":
+                continue
+        except OSError:
+            continue
+        out += registrations_of(int(name))
+    return out
+
+
+def disarm(r: Registration) -> bool:
+    """Stop ``r``'s epoll instance reporting ``r``'s descriptor: ``EPOLL_CTL_MOD`` to
+    ``EPOLLIN | EPOLLONESHOT`` with its data word unchanged, so its owner's handler gets at most
+    one more event, and none after (``EPOLLHUP`` and ``EPOLLERR`` included) until its owner
+    modifies the registration again; the owner can still remove it. The registration is read
+    again first: False, untouched, if it changed since ``r`` was read (say the descriptor was
+    closed and reused), or if the call failed."""
+    if r not in registrations_of(r.epoll):
+        return False
+    event = ctypes.create_string_buffer(_EVENT.pack(EPOLLIN | EPOLLONESHOT, r.data), _EVENT.size)
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.epoll_ctl(r.epoll, _EPOLL_CTL_MOD, r.fd, event) == 0

@@ -117,4 +117,5 @@ def final_fields(loop: Any, params: PyTree | None) -> dict:
                if o.pipeline else {}),
             **({"deferred": loop.group.deferred, "rolled_back": loop.commits.rolled_back}
                if o.batches else {}),
-            **({"replaced_backends_alive": dp.replaced_alive} if (dp := loop.group.data_plane).needs_reset else {})}
+            **({"replaced_backends_alive": dp.replaced_alive, "dead_pairs_disarmed": dp.dead_pairs.disarmed}
+               if (dp := loop.group.data_plane).needs_reset else {})}

@@ -22,7 +22,6 @@ import ipaddress
 import logging
 import os
 import socket
-import sys
 import threading
 from typing import NamedTuple
 
@@ -30,8 +29,8 @@ from jaxft import _compat
 
 logger = logging.getLogger(__name__)
 
-_ESTABLISHED = "01"
-_LISTEN = "0A"
+ESTABLISHED = "01"
+LISTEN = "0A"
 _ANY = "*"  # the address of an endpoint advertised on every interface (matches any)
 _READ_TIMEOUT_S = 2.0
 _protected_ports: set[int] = set()
@@ -66,32 +65,51 @@ def _endpoint(packed: bytes, port: int) -> Endpoint:
     return Endpoint(_ANY if ip.is_unspecified else str(ip), port)
 
 
-def _proc_endpoint(text: str) -> Endpoint:
-    """An endpoint of ``/proc/net/tcp*`` (``HEXIP:HEXPORT``; the IP in 32-bit words of host order)."""
-    hex_ip, hex_port = text.rsplit(":", 1)
-    raw = bytes.fromhex(hex_ip)
-    if sys.byteorder == "little":
-        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    return _endpoint(raw, int(hex_port, 16))
+def _sockname(address: tuple, family: int) -> Endpoint:
+    """An :class:`Endpoint` of a socket address as ``getsockname`` gives it."""
+    host = str(address[0]).split("%", 1)[0]  # (an IPv6 scope)
+    return _endpoint(socket.inet_pton(family, host), int(address[1]))
 
 
-def _tcp_sockets() -> dict[int, Socket]:
-    """``{socket inode: Socket}`` of the TCP sockets in this network namespace."""
-    out: dict[int, Socket] = {}
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+def _tcp_socket(fd: int) -> Socket | None:
+    """The state and ends of the TCP socket ``fd`` of this process (None if it is no TCP socket),
+    asked through a duplicate of it (the descriptor itself is left alone)."""
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
+            return None
+        state = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]  # (tcpi_state: the first byte)
+        local = _sockname(s.getsockname(), s.family)
         try:
-            with open(table) as f:
-                next(f, None)
-                for line in f:
-                    cols = line.split()
-                    if len(cols) >= 10:
-                        out[int(cols[9])] = Socket(cols[3], _proc_endpoint(cols[1]), _proc_endpoint(cols[2]))
-        except (OSError, ValueError):
-            continue
+            remote = _sockname(s.getpeername(), s.family)
+        except OSError:  # listening, or closed
+            remote = Endpoint(_ANY, 0)
+        return Socket(f"{state:02X}", local, remote)
+    except (OSError, ValueError):
+        return None
+    finally:
+        s.close()  # (the duplicate only)
+
+
+def tcp_sockets(mine: dict[int, int] | None = None) -> dict[int, Socket]:
+    """``{socket inode: Socket}`` of this process's TCP sockets (``mine``: :func:`my_sockets`,
+    read here if not given; the state as ``/proc/net/tcp`` spells it, ``01`` connected).
+
+    Each socket is asked for its state (``TCP_INFO``) and ends: a few system calls a socket.
+    Reading ``/proc/net/tcp`` walks the kernel's whole connection table instead: 10-60 ms a read
+    on a loaded 2-core machine, on a failure's way back (docs/benchmarks.md, session 36)."""
+    out: dict[int, Socket] = {}
+    for inode, fd in (my_sockets() if mine is None else mine).items():
+        entry = _tcp_socket(fd)
+        if entry is not None:
+            out[inode] = entry
     return out
 
 
-def _my_sockets() -> dict[int, int]:
+def my_sockets() -> dict[int, int]:
     """``{socket inode: file descriptor}`` of this process's sockets."""
     out: dict[int, int] = {}
     try:
@@ -156,6 +174,14 @@ def gloo_endpoints(listening: set[Endpoint]) -> frozenset[Endpoint]:
     return _learned
 
 
+def gloo_listeners(table: dict[int, Socket], mine: dict[int, int]) -> set[int]:
+    """Inodes of this process's listening sockets that gloo's rendezvous records advertise
+    (``table``: :func:`tcp_sockets`, ``mine``: :func:`my_sockets`)."""
+    listening = {table[i].local for i in mine if i in table and table[i].state == LISTEN}
+    gloo = gloo_endpoints(listening)
+    return {i for i in mine if i in table and table[i].state == LISTEN and _matches(table[i].local, gloo)}
+
+
 def data_plane_fds() -> list[int]:
     """File descriptors of this process's CPU data-plane connections (gloo's pairs).
 
@@ -163,13 +189,14 @@ def data_plane_fds() -> list[int]:
     rendezvous records advertise (see :func:`gloo_endpoints`): accepted by this process's
     gloo listener, or made to a peer's. Never one to or from the coordination service's port.
     """
-    table, mine = _tcp_sockets(), _my_sockets()
-    listening = {table[i].local for i in mine if i in table and table[i].state == _LISTEN}
+    mine = my_sockets()
+    table = tcp_sockets(mine)
+    listening = {table[i].local for i in mine if i in table and table[i].state == LISTEN}
     gloo = gloo_endpoints(listening)
     fds = []
     for inode, fd in mine.items():
         entry = table.get(inode)
-        if entry is None or entry.state != _ESTABLISHED:
+        if entry is None or entry.state != ESTABLISHED:
             continue
         if entry.local.port in _protected_ports or entry.remote.port in _protected_ports:
             continue

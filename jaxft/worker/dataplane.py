@@ -25,7 +25,7 @@ refer to each other. Until then its gloo communicators live on, and one whose pe
 whose connections the breaker shut can spin its event loop (a busy ``epoll_wait``): in
 schedule runs one member after most deaths burned a whole core until Python's own full
 collection came, tens of seconds later. So the first commit on a rebuilt backend collects
-(:meth:`DataPlane.collect_replaced`). To keep that cheap, :func:`jaxft.initialize` freezes
+(:meth:`DataPlane.after_commit`). To keep that cheap, :func:`jaxft.initialize` freezes
 what exists before any backend does (the imports) out of every later collection
 (``gc.freeze``): a full collection then examines ~22,000 objects instead of ~120,000 (6-22 ms
 instead of 55-120 ms in a worker here). A backend something holds from C++ outlives this
@@ -54,6 +54,7 @@ from jaxft.core.rejoin import is_new
 from jaxft.timeouts import Timeouts
 from jaxft.worker import breaker, kv, rendezvous
 from jaxft.worker import deaths as deaths_lib
+from jaxft.worker.deadpairs import DeadPairs
 from jaxft.worker.hang import HangMonitor
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class DataPlane:
         self.leaked_backends = 0  # rebuilds after which arrays of the old backend stayed alive
         self.replaced_alive = 0  # backends the rebuilds replaced still alive as the run finished
         self._collect = False  # a rebuild replaced a backend that no full collection freed yet
+        self.dead_pairs = DeadPairs(process_id)  # (CPU only: armed by a failure)
 
     @property
     def needs_reset(self) -> bool:
@@ -118,15 +120,18 @@ class DataPlane:
         return mesh
 
     def taint(self) -> None:
-        """A step failed after its body began: rebuild before the next one."""
+        """A step failed after its body began: rebuild before the next one; and look for the dead
+        connections gloo's loop keeps reporting after the next commits (:mod:`jaxft.worker.deadpairs`)."""
         if self.needs_reset:
             self._suspect |= set(self._used)
+            self.dead_pairs.step_failed()
 
     def break_if_collective_failed(self, error: BaseException) -> None:
         """This process's collective failed: fail the others' now too (see :mod:`jaxft.worker.breaker`)."""
         if self.needs_reset and jax.process_count() > 1 and breaker.is_collective_failure(error):
             breaker.break_data_plane()
             self._suspect |= set(self._used)
+            self.dead_pairs.step_failed()
 
     def tripwire(self, entry: Mapping[int, int], deaths: deaths_lib.DeathWatch) -> deaths_lib.Tripwire | None:
         """The step body's tripwire: a member recorded dead breaks this process's CPU data
@@ -236,6 +241,7 @@ class DataPlane:
         self._suspect.clear()
         self._old_backends.append((weakref.ref(jax.devices()[0].client), time.monotonic()))
         self._collect = True
+        self.dead_pairs.backend_replaced()
         if self.process_id == 0:
             # Process 0's new backend writes the global topology again (the old copy would
             # fail it with ALREADY_EXISTS): delete that copy only now, past the barrier. A
@@ -247,10 +253,13 @@ class DataPlane:
         jax_backend.clear_backends()
         jax.devices()  # rebuild now, inside the step
 
-    def collect_replaced(self) -> None:
-        """After each commit; the first one since a rebuild (whose own step may have failed),
+    def after_commit(self) -> None:
+        """After each commit: the first one since a rebuild (whose own step may have failed),
         when nothing of a step refers to the replaced backend any more, frees it (and its gloo
-        communicators) with a full collection (see the module docstring)."""
+        communicators) with a full collection (see the module docstring); after a failure,
+        quiet the dead connections gloo's loop keeps reporting (:mod:`jaxft.worker.deadpairs`)."""
+        if self.needs_reset:
+            self.dead_pairs.after_commit()
         if not self._collect:
             return
         self._collect = False
@@ -278,7 +287,7 @@ class DataPlane:
         A jax array of it that is still referenced (the initial params the program created, a
         numpy view made by ``np.asarray`` of one) keeps the old backend's buffers alive for
         nothing, once per rebuild. Arrays that are garbage in reference cycles are listed too
-        until a full ``gc.collect`` (after each rebuild's commit, :meth:`collect_replaced`, and
+        until a full ``gc.collect`` (after each rebuild's commit, :meth:`after_commit`, and
         here when some are listed). Also notes how many replaced backends are still alive
         (:attr:`replaced_alive`, before any collection here)."""
         olds, self._old_backends = self._old_backends, []

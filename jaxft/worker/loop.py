@@ -355,7 +355,7 @@ class ElasticLoop:
             self.events.log(Event.COMMIT, step=r.step, members=list(r.members), generation=r.generation, loss=r.loss)
         if m.reset:
             self.executor.log_rebuild(ran.step, ran.seconds)
-        self.group.data_plane.collect_replaced()  # (once after a rebuild, also one whose own step failed)
+        self.group.data_plane.after_commit()  # (a collection once after a rebuild, also one whose own step failed)
         if ran.verdict is not None:  # (held at a member's last step: nobody is admitted then)
             self.executor.admit(m, ran.verdict, ran.step + 1)
         self.sync.publish(m.process_ids, self.state)

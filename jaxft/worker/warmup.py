@@ -126,6 +126,10 @@ class Precompiler:
     background the step for each set one failure away (same state and batch shapes, another
     mesh) with the gloo rendezvous a new device list runs first, and, while someone is missing,
     the rejoin's agreement (and, with ``precompile``, its transfer from the donor it will have).
+    Without ``precompile``, on CPU, the step of one set one death away is compiled all the same:
+    every other set of that width loads it, reassigned to its devices
+    (:mod:`jaxft.worker.executables`), where the first death of a run otherwise compiled it while
+    the survivors waited (~1.4 s on two cores; docs/benchmarks.md, session 36).
     With spares at full width, the sets one failure away are first the swaps (:func:`swaps`),
     each with the spare's agreement and transfer: every program a swap runs is in jax's
     persistent cache before it."""
@@ -179,11 +183,14 @@ class Precompiler:
             step_for(pids)
             connect_for(pids)
             joining(pids, min(p for p in pids if p in process_ids))
+        one_death = shrinks(process_ids, self.min_members)[:1]
         for pids in shrinks(process_ids, self.min_members):
             if shrinking:
                 step_for(pids)
             if shrinking or len(pids) == len(process_ids) - 1:  # (by default the single deaths only)
                 connect_for(pids)
+        if not shrinking and not swapping and one_death and self.group.data_plane.platform == "cpu":
+            step_for(one_death[0])  # one is enough on CPU: the others of its width load it, reassigned
         if not spares and process_ids != everyone:
             # someone is missing: the rejoin, with the donor it will have (the lowest member)
             connect_for(everyone)

@@ -3,7 +3,8 @@
 Run by tests/test_private_api.py under ``jaxft launch -n 2``. Process 0 logs a
 ``private_keys`` event: which keys exist after a cross-process computation (and whether
 gloo's records advertise its listener as :func:`jaxft._compat.gloo_listen_address` reads
-them), whether :func:`jaxft._compat.delete_stale_cpu_keys` removed them, whether
+them, and how gloo's event loop watches its connections, as :mod:`jaxft.worker.deadpairs`
+finds them), whether :func:`jaxft._compat.delete_stale_cpu_keys` removed them, whether
 ``live_devices``' map holds incarnations, and whether a backend rebuild (what a rejoin does)
 then computes again with the map re-keyed.
 """
@@ -21,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxft import _compat
-from jaxft.worker import breaker, kv
+from jaxft.worker import breaker, deadpairs, kv
 
 
 def cross_process_sum() -> float:
@@ -40,11 +41,22 @@ def keys(prefix: str) -> list[str]:
 
 def gloo_listener_advertised() -> bool:
     """Whether one of the addresses gloo's records advertise is a listener of this process."""
-    table, mine = breaker._tcp_sockets(), breaker._my_sockets()
+    mine = breaker.my_sockets()
+    table = breaker.tcp_sockets(mine)
     listening = {table[i].local for i in mine if i in table and table[i].state == "0A"}
     values = [v for _, v in kv.client().key_value_dir_get_bytes(_compat.GLOO_KEY_PREFIX)]
     addresses = [_compat.gloo_listen_address(v) for v in values]
     return bool(values) and None not in addresses and any(breaker._endpoint(*a) in listening for a in addresses)
+
+
+def gloo_pairs_watched() -> list[bool]:
+    """For each connected socket gloo's epoll instance watches (found as jaxft.worker.deadpairs
+    finds it): whether it is watched level-triggered (what a dead one makes the loop spin on)."""
+    mine = breaker.my_sockets()
+    table = breaker.tcp_sockets(mine)
+    regs = deadpairs.DeadPairs(jax.process_index()).gloo_registrations(table, mine)
+    return [not r.events & (_compat.EPOLLET | _compat.EPOLLONESHOT) for r in regs
+            if r.inode in table and table[r.inode].state == breaker.ESTABLISHED]
 
 
 def has(key: str) -> bool:
@@ -65,6 +77,7 @@ if rt.process_id == 0:
     out["gloo_keys_before"] = len(keys(_compat.GLOO_KEY_PREFIX))
     out["topology_before"] = has(_compat.GLOBAL_TOPOLOGY_KEY)
     out["gloo_listener_advertised"] = gloo_listener_advertised()
+    out["gloo_pairs_level_triggered"] = gloo_pairs_watched()
     _compat.delete_stale_cpu_keys(client, topology=True)
     out["gloo_keys_after"] = len(keys(_compat.GLOO_KEY_PREFIX))
     out["topology_after"] = has(_compat.GLOBAL_TOPOLOGY_KEY)
