@@ -164,3 +164,29 @@ def test_a_rebuild_waits_for_the_job_in_progress_and_drops_the_queued_ones():
     while "c" not in ran and time.monotonic() < deadline:
         time.sleep(0.01)
     assert ran == ["slow", "c"]  # "b" was for the old backend
+
+
+def test_at_exit_the_job_in_progress_ends_and_no_other_starts():
+    # (A daemon thread still inside XLA's compiler as the interpreter ended aborted the process
+    # after its run: "terminate called after throwing an instance of ''".)
+    w = warmup.Warmer()
+    started, release, ran = threading.Event(), threading.Event(), []
+
+    def slow():
+        started.set()
+        release.wait(5)
+        ran.append("slow")
+
+    w.submit("a", slow)
+    w.submit("b", lambda: ran.append("b"))
+    assert started.wait(5)
+    closer = threading.Thread(target=w.close)
+    closer.start()
+    time.sleep(0.1)
+    assert closer.is_alive()  # waits for the job in progress
+    release.set()
+    closer.join(5)
+    assert not closer.is_alive() and ran == ["slow"]
+    w.submit("c", lambda: ran.append("c"))
+    time.sleep(0.2)
+    assert ran == ["slow"]

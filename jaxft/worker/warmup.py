@@ -24,6 +24,7 @@ dropped. A failed warm-up is only logged: the step compiles as before when it ne
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import queue
@@ -55,6 +56,7 @@ class Warmer:
         self._queued: set[object] = set()
         self.on_done = on_done  # called in the worker thread after each job
         threading.Thread(target=self._run, daemon=True, name="jaxft-warmup").start()
+        atexit.register(self.close)
 
     def submit(self, key: object, job: Job) -> None:
         """Run ``job`` in the background unless ``key`` was queued since the last rebuild."""
@@ -73,6 +75,15 @@ class Warmer:
     def resume(self) -> None:
         """After the rebuild: jobs submitted from now on run."""
         self._lock.release()
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """At exit: drop the queued jobs and wait (bounded) for the one in progress; no job runs
+        after. A daemon thread still inside XLA's compiler when the interpreter ends is unwound
+        through C++ that does not let it pass, and the process aborts ("terminate called after
+        throwing an instance of ''", "FATAL: exception not rethrown") after its run finished."""
+        self._epoch += 1
+        self._queued.clear()
+        self._lock.acquire(timeout=timeout_s)  # (held for good; not if a rebuild holds it: bounded)
 
     def _run(self) -> None:
         while True:  # (one call per job: nothing of it stays referenced while the next is awaited,
