@@ -113,9 +113,11 @@ def test_the_way_back_compiled_ahead_by_process_0_is_loaded_by_every_process(tmp
 def test_by_default_process_0_compiles_ahead_one_step_one_death_away_on_cpu(tmp_path):
     # Without precompile, the first death of a run compiled the narrower step while the survivors
     # waited (~1.4 s here); on CPU one program serves every set of its width (reassigned), so
-    # process 0 compiles one: the set less the highest member, and no other step.
-    r, evts = train(tmp_path, MLP, "--steps", "60", "--step_sleep", "0.05", n=3)
-    assert r.returncode == 0, r.describe()
+    # process 0 compiles one: the set less the highest member, and no other step; not at the
+    # narrower width after process 2's death either (the survivors train on at width 2).
+    r, evts = train(tmp_path, MLP, "--steps", "80", "--step_sleep", "0.05", n=3,
+                    faults=["kill:process=2:step=50:phase=before-step"])
+    assert by_event(evts, "commit", step=79, members=[0, 1]), r.describe()
     steps = [e["members"] for e in by_event(evts, "precompiled", program="step")]
     assert steps == [[0, 1]], (steps, r.describe())
     assert all(e["process"] == 0 for e in by_event(evts, "precompiled")), r.describe()

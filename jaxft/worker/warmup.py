@@ -137,10 +137,12 @@ class Precompiler:
     background the step for each set one failure away (same state and batch shapes, another
     mesh) with the gloo rendezvous a new device list runs first, and, while someone is missing,
     the rejoin's agreement (and, with ``precompile``, its transfer from the donor it will have).
-    Without ``precompile``, on CPU, the step of one set one death away is compiled all the same:
-    every other set of that width loads it, reassigned to its devices
-    (:mod:`jaxft.worker.executables`), where the first death of a run otherwise compiled it while
-    the survivors waited (~1.4 s on two cores; docs/benchmarks.md, session 36).
+    Without ``precompile``, on CPU, with every process a member, the step of one set one death
+    away is compiled all the same: every other set of that width loads it, reassigned to its
+    devices (:mod:`jaxft.worker.executables`), where the first death of a run otherwise compiled
+    it while the survivors waited (~1.4 s on two cores). Not at a narrower width: there it was
+    a compile of 1.3-2.1 s beside the steps for a second death that rarely comes before the
+    restart is back (docs/benchmarks.md, session 36).
     With spares at full width, the sets one failure away are first the swaps (:func:`swaps`),
     each with the spare's agreement and transfer: every program a swap runs is in jax's
     persistent cache before it."""
@@ -200,7 +202,8 @@ class Precompiler:
                 step_for(pids)
             if shrinking or len(pids) == len(process_ids) - 1:  # (by default the single deaths only)
                 connect_for(pids)
-        if not shrinking and not swapping and one_death and self.group.data_plane.platform == "cpu":
+        if (not shrinking and not swapping and one_death and len(process_ids) == jax.process_count()
+                and self.group.data_plane.platform == "cpu"):  # (at full width: a narrower one is rarer)
             step_for(one_death[0])  # one is enough on CPU: the others of its width load it, reassigned
         if not spares and process_ids != everyone:
             # someone is missing: the rejoin, with the donor it will have (the lowest member)
