@@ -252,3 +252,24 @@ def test_a_compile_marker_whose_pid_was_reused_names_a_compile_that_is_gone(tmp_
     assert compile_marks.gone(owner, program)
     assert compile_marks.gone(f"{socket.gethostname()} 999999999", program)  # no such process
     assert not compile_marks.gone(f"another-host {os.getpid()}", program)  # not known here
+
+
+def test_a_program_loaded_ahead_waits_for_its_file_and_gives_up_when_stale(tmp_path):
+    # (jaxft.worker.warmup's members and spares load ahead what process 0 compiles for a swap.)
+    store = executables.Executables(str(tmp_path))
+    store._fingerprint = "f" * 16
+    key = ((0, 1), ("sig",))
+    path = store._path(key)
+    store._load = lambda k, program=None: "program" if os.path.exists(store._path(k)) else None  # (its bytes)
+    threading.Timer(0.3, lambda: open(path, "w").close()).start()  # process 0's compile lands
+    t0 = time.monotonic()
+    assert store.preload(key, stale=lambda: time.monotonic() - t0 > 5, poll_s=0.02)
+    assert 0.25 <= time.monotonic() - t0 < 2 and store._loaded[key] == "program" and store.preloaded == 1
+    other = ((1, 2), ("sig",))
+    t0 = time.monotonic()
+    assert not store.preload(other, stale=lambda: time.monotonic() - t0 > 0.2, poll_s=0.02)  # never compiles
+    assert other not in store._loaded
+    threading.Timer(0.1, store.reset).start()  # a rebuild meanwhile: what it would load is for the old backend
+    t0 = time.monotonic()
+    assert not store.preload(other, stale=lambda: time.monotonic() - t0 > 5, poll_s=0.02)
+    assert time.monotonic() - t0 < 1 and other not in store._loaded

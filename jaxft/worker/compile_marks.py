@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 
 from jaxft.worker import lives
 
@@ -45,3 +46,22 @@ def gone(owner: str, program_path: str) -> bool:
     except OSError:  # (removed meanwhile: the caller sees that next)
         return False
     return lives.local_process_gone(owner, since=written)
+
+
+def wait_for(program_path: str, appear_s: float, wait_s: float) -> bool:
+    """Wait for another process's compile of ``program_path`` to land; whether it did. False
+    when no compile of it shows up (no marker) within ``appear_s``, its compiler is gone, the
+    compile ended without a file (it failed, or could not be shared), or ``wait_s`` passed."""
+    start = time.monotonic()
+    seen = False
+    while True:
+        if os.path.exists(program_path):
+            return True
+        who = owner(program_path)
+        seen = seen or who is not None
+        waited = time.monotonic() - start
+        if (not seen and waited > appear_s) or waited > wait_s or (who and gone(who, program_path)):
+            return False
+        if seen and who is None and not os.path.exists(program_path):
+            return False
+        time.sleep(0.01)

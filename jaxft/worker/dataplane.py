@@ -250,6 +250,7 @@ class DataPlane:
             # process waited in its start-up for it, and the members waited for it at their
             # next step (until the topology timeout).
             _compat.delete_global_topology_key(kv.client())
+        rendezvous.forget_programs()
         jax_backend.clear_backends()
         jax.devices()  # rebuild now, inside the step
 

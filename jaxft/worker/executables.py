@@ -121,12 +121,15 @@ class Executables:
         self.loads = 0  # programs loaded from bytes (this process's or shared) instead of compiled
         self.compiles = 0
         self.reassigned = 0  # of the loads: programs compiled for other devices of the same width
+        self.preloaded = 0  # programs loaded ahead, before a step needed them (:meth:`preload`)
+        self._generation = 0  # bumped by reset(): a load begun for an older backend is dropped
 
     def reset(self) -> None:
         """The backend was rebuilt: loaded programs belong to the old one; the bytes stay."""
         with self._lock:
             self._loaded.clear()
             self._last.clear()
+            self._generation += 1
 
     def call(self, mesh_ids: tuple[int, ...], fn: Callable, args: Sequence[Any], compiler: bool = True) -> Any:
         """Run ``fn(*args)`` (``fn`` jitted) through its compiled program for this mesh.
@@ -178,6 +181,26 @@ class Executables:
             with self._lock:
                 self._busy.pop(key).set()
         return exe
+
+    def preload(self, key: Key, stale: Callable[[], bool], poll_s: float = 0.2) -> bool:
+        """Load ``key``'s program before a step needs it (kept bytes or the shared directory),
+        waiting for another process's compile until ``stale()``; never compiles. Whether it
+        is loaded (:mod:`jaxft.worker.warmup`: a spare, a member, ahead of a swap)."""
+        self.name_shared()
+        generation = self._generation
+        while self._sharing and not stale():
+            with self._lock:
+                if key in self._loaded:
+                    return True
+                if generation != self._generation:  # (the backend was rebuilt meanwhile)
+                    return False
+                exe = self._load(key)
+                if exe is not None:
+                    self._loaded[key] = exe
+                    self.preloaded += 1
+                    return True
+            time.sleep(poll_s)
+        return False
 
     def _compile(self, key: Key, fn: Any, args: Sequence[Any]) -> Any:
         """Compile ``key``'s program and keep its bytes, unless jax loaded it from its persistent
@@ -286,26 +309,12 @@ class Executables:
         return self.directory is not None and self._fingerprint is not None
 
     def _await_shared(self, key: Key) -> Any:
-        """Wait for another process's compile of ``key`` to land in the directory; None if none
-        shows up within ``appear_s``, its compiler is gone, or ``wait_s`` passed."""
-        if not self._sharing:
+        """Wait for another process's compile of ``key`` to land in the directory
+        (:func:`jaxft.worker.compile_marks.wait_for`), and load it; None if it does not."""
+        if not self._sharing or not compile_marks.wait_for(self._path(key), self.appear_s, self.wait_s):
             return None
-        path = self._path(key)
-        start = time.monotonic()
-        seen = False
-        while True:
-            if os.path.exists(path):
-                with self._lock:
-                    return self._load(key)
-            owner = compile_marks.owner(path)
-            seen = seen or owner is not None
-            waited = time.monotonic() - start
-            if ((not seen and waited > self.appear_s) or waited > self.wait_s
-                    or (owner and compile_marks.gone(owner, path))):
-                return None
-            if seen and owner is None and not os.path.exists(path):
-                return None  # the compile ended without a file (it failed, or could not be shared)
-            time.sleep(0.01)
+        with self._lock:
+            return self._load(key)
 
     # -- bytes ----------------------------------------------------------------------------
     def _keep(self, key: Key, compiled: Any, module: str | None = None) -> None:
@@ -387,11 +396,3 @@ def _shared_name(key: Key) -> str:
     differ from process to process; the reference program's fingerprint in the file's name
     tells programs of different code apart)."""
     return structure_text(repr(key))
-
-
-def shared_dir() -> str | None:
-    """Where a run's processes share step programs: beside jax's persistent compilation cache
-    (``jaxft.initialize`` puts that under the run directory), or None without one."""
-    cache = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # (jax's flags: no stubs)
-    return os.path.join(cache, "jaxft-steps") if cache else None
-

@@ -134,7 +134,7 @@ class ElasticLoop:
         self.group.on_reset(during=lambda: self.faults.point("during-rebuild", self._in_step))  # (any sync)
         self.group.before_admission(lambda pids: self.sync.check_before_admission(self.state), may_raise=True)
         self.group.before_admission(lambda pids: self.precompiler.before_admission(pids, self.step, self.state))
-        self.group.before_admission(lambda pids: self.precompiler.as_spare(pids, self.step), spare=True)
+        self.group.before_admission(lambda pids: self.precompiler.as_spare(pids, self.step, self.state), spare=True)
         self.group.before_admission(lambda pids: self.faults.point("ready", self.step), announced=True)
         self.group.on_exit_query(lambda: self.faults.point_soon("in-commit", self._in_step))
 

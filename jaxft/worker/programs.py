@@ -10,6 +10,7 @@ function's contract once (it leaves its input alone and returns a replicated sta
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -79,6 +80,14 @@ def votes_array(votes: np.ndarray, mesh: Mesh, axis_name: str) -> jax.Array:
     return jax.make_array_from_callback((n, votes.size), NamedSharding(mesh, P(axis_name)), lambda i: rows[i])
 
 
+def shared_dir() -> str | None:
+    """Where a run's processes share step programs (:mod:`jaxft.worker.executables`): beside jax's
+    persistent compilation cache (``jaxft.initialize`` puts that under the run directory), or
+    None without one."""
+    cache = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # (jax's flags: no stubs)
+    return os.path.join(cache, "jaxft-steps") if cache else None
+
+
 def mesh_of(pids: tuple[int, ...], axis_name: str) -> Mesh:
     """The 1-D mesh a step over processes ``pids`` runs on (devices sorted by id, as in
     :class:`~jaxft.Members`)."""
@@ -100,7 +109,7 @@ class Programs:
         self._voting, self._precompile, self._state, self._template = voting, precompile, state, template
         self._compiled: dict[tuple, Callable] = {}  # by mesh ids (("votes", *ids): the votes alone)
         self._checked: set[int] = set()  # ids of the step functions whose contract was checked
-        self.executables = executables_lib.Executables(executables_lib.shared_dir(), reference=self.reference)
+        self.executables = executables_lib.Executables(shared_dir(), reference=self.reference)
 
     @property
     def takes_votes(self) -> bool:
@@ -174,6 +183,13 @@ class Programs:
         fn, args = self.specs(mesh, state_shapes, template)
         if hasattr(fn, "lower"):
             self.executables.get(executables_lib.key(executables_lib.mesh_ids(mesh), args), fn, args)
+
+    def preload_for(self, mesh: Mesh, state_shapes: PyTree, template: PyTree, stale: Callable[[], bool]) -> bool:
+        """Load, without compiling, the step for ``mesh`` that another process compiles
+        (:meth:`Executables.preload`); whether it is loaded."""
+        fn, args = self.specs(mesh, state_shapes, template)
+        return hasattr(fn, "lower") and self.executables.preload(
+            executables_lib.key(executables_lib.mesh_ids(mesh), args), stale)
 
     def reference(self) -> str:
         """The step lowered for every process's devices: the same text in every process of a run

@@ -31,12 +31,32 @@ logger = logging.getLogger(__name__)
 Connect = Callable[[], None]  # run it on every member of the set at the same point
 
 
+_connects: dict[tuple[int, ...], Connect] = {}  # by device ids, for the current backend
+
+
+def forget_programs() -> None:
+    """Before a backend rebuild: drop the rendezvous kept per device list (they hold its devices)."""
+    _connects.clear()
+
+
 def compile_for(devices: Sequence[jax.Device]) -> Connect:
     """The rendezvous of ``devices`` (every process's devices of one member set), ready to run:
-    a compiled one-element-per-device sum; call the result on every member at the same point."""
+    a compiled one-element-per-device sum; call the result on every member at the same point.
+    Kept per device list until :func:`forget_programs` (the warm-up compiles the likely next
+    ones, and the sync then finds them here: lowering and loading it took 14-30 ms a member on
+    a swap's way back, docs/benchmarks.md, session 36)."""
     devices = sorted(devices, key=lambda d: d.id)  # the order of the step's mesh (ElasticGroup)
     if len({d.process_index for d in devices}) < 2:
         return lambda: None
+    ids = tuple(d.id for d in devices)
+    kept = _connects.get(ids)
+    if kept is not None:
+        return kept
+    connect = _compile(devices)
+    return _connects.setdefault(ids, connect)
+
+
+def _compile(devices: list[jax.Device]) -> Connect:
     mesh = Mesh(np.array(devices), ("rendezvous",))
     sharded = NamedSharding(mesh, P("rendezvous"))
     spec = jax.ShapeDtypeStruct((len(devices),), np.dtype(np.int32), sharding=sharded)

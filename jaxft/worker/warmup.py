@@ -44,6 +44,7 @@ from jaxft.worker.programs import mesh_of
 logger = logging.getLogger(__name__)
 
 Job = Callable[[], object]  # lowers and compiles one program (what it returns is dropped)
+LOAD_WAIT_S = 30.0  # how long a process loading ahead waits for process 0's compile of a program
 
 
 class Warmer:
@@ -64,6 +65,11 @@ class Warmer:
             return
         self._queued.add(key)
         self._queue.put((self._epoch, key, job))
+
+    @property
+    def epoch(self) -> int:
+        """Bumped at every rebuild and at exit: a job can tell it should stop."""
+        return self._epoch
 
     def pause(self) -> None:
         """Before a backend rebuild: drop the queued jobs (they were for the old backend), then
@@ -153,6 +159,7 @@ class Precompiler:
         self._warmer: Warmer | None = None
         self._warmed_for: tuple[int, ...] | None = None  # the member set the last warm-up was for
         self._done: set[tuple] = set()  # what was compiled ahead in this life
+        self._loads = 0  # calls of _load_ahead
 
     def after_commit(self, process_ids: tuple[int, ...], state: Any) -> None:
         """Warm up for ``process_ids`` (the members of the commit) if this process should. Always
@@ -164,16 +171,17 @@ class Precompiler:
         width = self.group.width
         shrinking = bool(self.precompile) and len(process_ids) <= self.precompile
         swapping = width is not None and len(process_ids) >= width
-        if (jax.process_count() < 2 or self.feeder.template is None or self.group.process_id != 0
-                or self._warmed_for == process_ids):
+        if jax.process_count() < 2 or self.feeder.template is None or self._warmed_for == process_ids:
             return
-        if self._warmer is None:
-            self._warmer = Warmer(on_done=self._compiled_one)
-            self.group.on_reset(before=self._pause, after=self._warmer.resume)
-        warmer, self._warmed_for = self._warmer, process_ids
+        self._warmed_for = process_ids
         state_shapes, template, axis = shapes(state), self.feeder.template, self.group.axis_name
         everyone = tuple(range(jax.process_count()))
         spares = [p for p in everyone if p not in process_ids] if swapping else []
+        me = self.group.process_id
+        if me != 0:  # process 0 compiles them; the others load what they would run of them
+            self._load_ahead([pids for pids in swaps(process_ids, spares) if me in pids], state)
+            return
+        warmer = self._background()
         nbytes = transfer.tree_nbytes({"step": np.int64(0), "state": state})
         def then(what: str, pids: tuple[int, ...], job: Job) -> None:
             if (what, pids) not in self._done:  # on disk already: after a rebuild it loads from there
@@ -221,18 +229,52 @@ class Precompiler:
         logger.info("process %d compiled the step for %s before admission in %.2f s", self.group.process_id,
                     list(pids), time.monotonic() - t0)
 
-    def as_spare(self, pids: tuple[int, ...], step: int) -> None:
+    def as_spare(self, pids: tuple[int, ...], step: int, state: Any) -> None:
         """A hot spare, before it says it is ready: it cannot compile for a member set it does not
         know, but it names the programs the members share (the fingerprint of the reference
         program, :mod:`jaxft.worker.executables`: ~0.2 s of tracing here), which its first step
-        after a swap otherwise did while the members waited for it."""
+        after a swap otherwise did while the members waited for it; then, in the background,
+        it loads what it would run first in each set a swap away (:meth:`_load_ahead`)."""
         t0 = time.monotonic()
+        members = tuple(p for p in pids if p != self.group.process_id)
         if self.feeder.template is None:  # (the global batch's shapes: the same on any mesh)
-            members = tuple(p for p in pids if p != self.group.process_id)
             self.feeder.host_batch(step, mesh_of(members, self.group.axis_name))
         self.programs.executables.name_shared()
         logger.info("process %d named the shared step programs as a spare in %.2f s", self.group.process_id,
                     time.monotonic() - t0)
+        if jax.process_count() > 1:
+            self._load_ahead(swaps(members, [self.group.process_id]), state)
+
+    def _load_ahead(self, sets: list[tuple[int, ...]], state: Any) -> None:
+        """A process other than 0 (a member, or a spare), with spares waiting: load, in the
+        background, what it would run first in each of ``sets`` (the sets a swap away, whose
+        programs process 0 compiles): the gloo rendezvous, and the step, waiting for process 0's
+        file for at most :data:`LOAD_WAIT_S`. Loading them on the way back took 14-30 ms
+        (rendezvous) and 40-75 ms (step) on each such process, while the others waited for it
+        (docs/benchmarks.md, session 36)."""
+        if not sets:
+            return
+        warmer, axis = self._background(), self.group.axis_name
+        state_shapes, template = shapes(state), self.feeder.template
+        self._loads += 1  # (the loads still waiting for an older call's sets give up)
+        epoch, loads, deadline = warmer.epoch, self._loads, time.monotonic() + LOAD_WAIT_S
+
+        def stale() -> bool:
+            return warmer.epoch != epoch or self._loads != loads or time.monotonic() > deadline
+
+        for pids in sets:
+            mesh = mesh_of(pids, axis)
+            if self.group.data_plane.needs_reset:
+                warmer.submit(("rendezvous", pids), functools.partial(rendezvous.compile_for, list(mesh.devices.flat)))
+            warmer.submit(("load", pids, loads), functools.partial(self.programs.preload_for, mesh, state_shapes,
+                                                                   template, stale))
+
+    def _background(self) -> Warmer:
+        """This process's background thread (started on first use)."""
+        if self._warmer is None:
+            self._warmer = Warmer(on_done=self._compiled_one if self.group.process_id == 0 else None)
+            self.group.on_reset(before=self._pause, after=self._warmer.resume)
+        return self._warmer
 
     def _compiled_one(self, key: Any, seconds: float) -> None:
         self._done.add(key)
