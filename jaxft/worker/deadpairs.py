@@ -14,8 +14,11 @@ epoll instance (the one that watches gloo's listener, :func:`jaxft.worker.breake
 at each commit: a connection it finds closed at two commits in a row is not one of the current
 members' (a commit went through after it closed, with every member alive), and is disarmed
 (:func:`jaxft._compat.disarm`): epoll stops reporting it, and gloo can still remove it when it
-destroys the communicator. The looks stop at a commit that finds none (or after
-:data:`MAX_LOOKS`); each is a few milliseconds of ``/proc`` reads, only after failures.
+destroys the communicator. A rebuild starts the looks too, and a replaced backend still alive
+is looked at with the current one (its connections die as the peers free their old backends).
+The looks stop at a commit that finds none while no replaced backend lives, or after
+:data:`MAX_LOOKS`; each is a few milliseconds of ``/proc`` reads and system calls (the first of
+a backend also reads gloo's records from the service), only after failures and rebuilds.
 """
 
 from __future__ import annotations
