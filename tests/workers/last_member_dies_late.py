@@ -4,9 +4,9 @@ step of the story waits for the one before, none for a fixed time:
 
 1. the test's faults kill 0 and 3, then 1: process 2 enters its next step alone, and writes a
    members record (over 2 alone) newer than the lives of 0's and 3's restarts;
-2. process 2's first life SIGKILLs itself before the first step it starts after a restart said
-   it is ready (before it could admit one): nobody is left to admit them, every process starts
-   cold;
+2. process 2's first life, once it committed a step alone, SIGKILLs itself before the first
+   step it starts after a restart said it is ready (before it could admit one): nobody is left
+   to admit them, every process starts cold;
 3. process 2's restart connects only once 1's restart has confirmed a cold start's answer that
    left 2 out (it marks ``<state dir>/confirmed-by-1``), so that the others start without it.
 """
@@ -28,11 +28,16 @@ MARK = os.path.join(os.environ[protocol.FAULT_STATE_DIR], "confirmed-by-1")
 
 if ME == (2, 0):
     try_step = ElasticLoop.try_step
+    alone = []  # (a step it committed alone: only then a restart's readiness ends it; a restart of
+    # 0 or 3 ready before 1 died would otherwise end it before it ever ran alone)
 
     def die_once_one_is_ready(self):
-        if kv.try_dir_get(admission.READY_PREFIX):
+        if alone and kv.try_dir_get(admission.READY_PREFIX):
             os.kill(os.getpid(), signal.SIGKILL)
-        return try_step(self)
+        record = try_step(self)
+        if record is not None and tuple(record.members) == (2,):
+            alone.append(record.step)
+        return record
 
     ElasticLoop.try_step = die_once_one_is_ready
 
