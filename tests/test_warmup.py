@@ -134,7 +134,9 @@ def test_shrinks_are_the_sets_one_failure_away():
     assert warmup.shrinks([0, 1, 2], min_members=3) == []  # below min_members no step commits
 
 
-def test_a_rebuild_waits_for_the_job_in_progress_and_drops_the_queued_ones():
+def busy_warmer() -> tuple[warmup.Warmer, threading.Event, list[str]]:
+    """A warm-up thread inside a job ("slow", which ends once ``release`` is set) with job "b"
+    queued behind it; ``ran`` lists the jobs that ended, in order."""
     w = warmup.Warmer()
     started, release, ran = threading.Event(), threading.Event(), []
 
@@ -145,8 +147,13 @@ def test_a_rebuild_waits_for_the_job_in_progress_and_drops_the_queued_ones():
 
     w.submit("a", slow)
     w.submit("b", lambda: ran.append("b"))
-    w.submit("a", lambda: ran.append("a again"))  # queued already: ignored
     assert started.wait(5)
+    return w, release, ran
+
+
+def test_a_rebuild_waits_for_the_job_in_progress_and_drops_the_queued_ones():
+    w, release, ran = busy_warmer()
+    w.submit("a", lambda: ran.append("a again"))  # queued already: ignored
     paused_at = []
 
     def rebuild():
@@ -171,17 +178,7 @@ def test_a_rebuild_waits_for_the_job_in_progress_and_drops_the_queued_ones():
 def test_at_exit_the_job_in_progress_ends_and_no_other_starts():
     # (A daemon thread still inside XLA's compiler as the interpreter ended aborted the process
     # after its run: "terminate called after throwing an instance of ''".)
-    w = warmup.Warmer()
-    started, release, ran = threading.Event(), threading.Event(), []
-
-    def slow():
-        started.set()
-        release.wait(5)
-        ran.append("slow")
-
-    w.submit("a", slow)
-    w.submit("b", lambda: ran.append("b"))
-    assert started.wait(5)
+    w, release, ran = busy_warmer()
     closer = threading.Thread(target=w.close)
     closer.start()
     time.sleep(0.1)

@@ -71,12 +71,25 @@ def _sockname(address: tuple, family: int) -> Endpoint:
     return _endpoint(socket.inet_pton(family, host), int(address[1]))
 
 
+def _duplicate(fd: int) -> socket.socket | None:
+    """A socket object on a duplicate of this process's descriptor ``fd`` (closing it closes the
+    duplicate only; gloo's descriptor stays open); None if ``fd`` is gone or no socket."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        return socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
+
+
 def _tcp_socket(fd: int) -> Socket | None:
     """The state and ends of the TCP socket ``fd`` of this process (None if it is no TCP socket),
     asked through a duplicate of it (the descriptor itself is left alone)."""
-    try:
-        s = socket.socket(fileno=os.dup(fd))
-    except OSError:
+    s = _duplicate(fd)
+    if s is None:
         return None
     try:
         if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
@@ -174,12 +187,17 @@ def gloo_endpoints(listening: set[Endpoint]) -> frozenset[Endpoint]:
     return _learned
 
 
+def _listening(table: dict[int, Socket], mine: dict[int, int]) -> dict[int, Endpoint]:
+    """``{inode: local endpoint}`` of this process's listening sockets."""
+    return {i: table[i].local for i in mine if i in table and table[i].state == LISTEN}
+
+
 def gloo_listeners(table: dict[int, Socket], mine: dict[int, int]) -> set[int]:
     """Inodes of this process's listening sockets that gloo's rendezvous records advertise
     (``table``: :func:`tcp_sockets`, ``mine``: :func:`my_sockets`)."""
-    listening = {table[i].local for i in mine if i in table and table[i].state == LISTEN}
-    gloo = gloo_endpoints(listening)
-    return {i for i in mine if i in table and table[i].state == LISTEN and _matches(table[i].local, gloo)}
+    listening = _listening(table, mine)
+    gloo = gloo_endpoints(set(listening.values()))
+    return {i for i, local in listening.items() if _matches(local, gloo)}
 
 
 def data_plane_fds() -> list[int]:
@@ -191,8 +209,7 @@ def data_plane_fds() -> list[int]:
     """
     mine = my_sockets()
     table = tcp_sockets(mine)
-    listening = {table[i].local for i in mine if i in table and table[i].state == LISTEN}
-    gloo = gloo_endpoints(listening)
+    gloo = gloo_endpoints(set(_listening(table, mine).values()))
     fds = []
     for inode, fd in mine.items():
         entry = table.get(inode)
@@ -211,9 +228,8 @@ def break_data_plane() -> int:
         return 0  # no coordination service known: no gloo peers either (and its port unprotected)
     n = 0
     for fd in data_plane_fds():
-        try:
-            s = socket.socket(fileno=os.dup(fd))
-        except OSError:
+        s = _duplicate(fd)
+        if s is None:
             continue
         try:
             s.shutdown(socket.SHUT_RDWR)

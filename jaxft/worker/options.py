@@ -62,8 +62,8 @@ class LoopOptions:
     ``precompile``: after the members change, process 0 compiles, in the background, the step
     for each member set one failure away while there are at most this many members (0: only, on
     CPU with every process a member, one set one death away, whose program the other sets of
-    its width load; with hot spares,
-    ``jaxft launch --spares``, the sets a swap away are warmed up regardless).
+    its width load; with hot spares, ``jaxft launch --spares``, the sets a swap away are warmed
+    up regardless).
     ``admission``: when a restarted process becomes a member (:class:`~jaxft.ElasticGroup`):
     ``"ready"`` (default: it sets up while the members train, and enters at a step boundary
     they agree on, carried by the step's votes) or ``"connect"`` (once it connects; the members
